@@ -1,0 +1,75 @@
+"""Plain data shared by the pure core (context, reconcile, fold) and the edges (store, proxy).
+
+A *turn* here is one stored message, in its provider-native shape (`raw`), with what the gateway
+derived from it once: flattened text, token count, content hash and chain hash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DialectName = Literal["openai_chat", "openai_responses", "anthropic"]
+ContextKind = Literal["passthrough", "full", "rewritten", "degraded"]
+
+
+@dataclass(slots=True)
+class Turn:
+    """One message of a conversation as the gateway keeps it."""
+
+    raw: dict[str, Any]  # provider-native message / input item, forwarded verbatim
+    role: str  # "user" | "assistant" | "tool" | "system" | "developer"
+    text: str  # flattened text: for tokens, search and summaries
+    tokens: int
+    hash: str  # content hash of the canonical form (see shape.canonical)
+    chain: str = ""  # hash of (previous chain, hash): identifies the whole prefix up to here
+    time: str | None = None  # ISO 8601 when known
+
+
+@dataclass(slots=True)
+class Summary:
+    text: str
+    covers: int  # the summary stands for messages [0, covers)
+    version: int  # bumped at every committed fold; folds commit by compare-and-set on it
+    tokens: int
+    chain: str = ""  # chain hash of message covers-1: the exact history prefix it summarises
+
+
+@dataclass(slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ConversationView:
+    """What the request path loads in one round trip."""
+
+    length: int  # messages stored
+    dialect: str | None  # dialect the conversation was stored in (None: new)
+    first_hash: str | None  # hash of message 0: tells a full-history client from a delta client
+    last_chain: str | None  # chain hash of message length-1
+    summary: Summary | None
+    state_text: str  # rendered project state ("" when none)
+    tail: list[Turn]  # messages [tail_start, length)
+    tail_start: int
+    stats: dict[str, int] = field(default_factory=dict)
+    fold_pending: bool = False
+
+
+@dataclass(slots=True)
+class Plan:
+    """The rewritten request, dialect-neutral: the dialect's shape renders it into a body."""
+
+    kind: ContextKind
+    state_block: str  # "" when no state
+    summary_block: str  # "" when no summary
+    head: list[dict[str, Any]]  # first keep_initial messages (raw)
+    omitted_marker: str  # "" or "[N earlier messages omitted]"
+    window: list[dict[str, Any]]  # recent messages (raw), ending with the newest turn
+    excerpts_block: str  # "" or the rendered excerpts, placed before the newest user turn
+    tokens_original: int
+    tokens_forwarded: int
+    urgent_fold: bool = False
