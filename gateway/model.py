@@ -52,9 +52,12 @@ class ConversationView:
     first_hash: str | None  # hash of message 0: tells a full-history client from a delta client
     last_chain: str | None  # chain hash of message length-1
     summary: Summary | None
-    state_text: str  # rendered project state ("" when none)
-    tail: list[Turn]  # messages [tail_start, length)
+    state: dict[str, Any] | None  # project-state ledger JSON (rendered by state.py)
+    state_version: int
+    head: list[Turn]  # the first `head` messages asked for (keep_initial)
+    tail: list[Turn]  # messages [tail_start, length): everything after the summary's coverage
     tail_start: int
+    tokens_total: int  # sum of the stored messages' tokens
     stats: dict[str, int] = field(default_factory=dict)
     fold_pending: bool = False
 
