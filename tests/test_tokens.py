@@ -1,0 +1,120 @@
+"""Token counting: offline encodings, per-message overhead, calibration."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from pathlib import Path
+
+import pytest
+
+from gateway import tokens
+from gateway.config import ModelSettings, Settings
+from gateway.tokens import FALLBACK_ENCODING, PER_MESSAGE_TOKENS, TokenCounter, available_offline
+
+MODELS = Settings().models
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to open a connection fails the test."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def test_counts_offline_with_cl100k(no_network: None) -> None:
+    """Claude and unknown models count with cl100k from the bundled file, without any network."""
+    counter = TokenCounter(MODELS)
+    assert counter.encoding("claude-sonnet-4-20250514").name == FALLBACK_ENCODING
+    assert counter.count("hello world", "claude-sonnet-4") == 2
+    assert counter.count("hello world", "some-unknown-model") == 2
+    assert counter.count("", "gpt-4o") == 0
+
+
+def test_o200k_model_falls_back_when_not_cached(no_network: None, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model configured for o200k uses cl100k when o200k's file is not in tiktoken's cache."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    tokens.load_encoding.cache_clear()
+    try:
+        assert not available_offline("o200k_base")
+        assert TokenCounter(MODELS).encoding("gpt-4o").name == FALLBACK_ENCODING
+    finally:
+        tokens.load_encoding.cache_clear()
+
+
+def test_corrupt_cached_file_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached o200k file whose hash is wrong does not count as available (tiktoken would re-download)."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    url = tokens._DOWNLOADED["o200k_base"][0]
+    (tmp_path / hashlib.sha1(url.encode()).hexdigest()).write_bytes(b"not the real file")
+    assert not available_offline("o200k_base")
+
+
+def test_cache_path_follows_tiktoken(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The cache location honours TIKTOKEN_CACHE_DIR, then DATA_GYM_CACHE_DIR; "" disables it."""
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DATA_GYM_CACHE_DIR", str(tmp_path))
+    assert tokens.tiktoken_cache_path("u") == str(tmp_path / hashlib.sha1(b"u").hexdigest())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+    assert tokens.tiktoken_cache_path("u") is None
+
+
+@pytest.mark.skipif(not available_offline("o200k_base"), reason="o200k_base is not in tiktoken's cache here")
+def test_o200k_used_when_cached() -> None:
+    """With o200k's file cached, models configured for it count with o200k."""
+    assert TokenCounter(MODELS).encoding("gpt-4o-2024-08-06").name == "o200k_base"
+
+
+def test_special_token_text_is_plain_text() -> None:
+    """User text containing "<|endoftext|>" is counted as ordinary text, never raising."""
+    counter = TokenCounter(MODELS)
+    assert counter.count("say <|endoftext|> now") > 3
+    long = "padding words " * 50 + "<|endoftext|>"
+    assert counter.count(long) == counter.count(long)  # cached path too
+
+
+def test_count_message_adds_overhead() -> None:
+    """A message costs its text's tokens plus a fixed per-message overhead."""
+    counter = TokenCounter(MODELS)
+    assert counter.count_message("hello world") == counter.count("hello world") + PER_MESSAGE_TOKENS == 6
+
+
+def test_long_text_count_is_cached_and_exact() -> None:
+    """Repeated long texts (system prompts) are counted once and give the same exact count."""
+    counter = TokenCounter(MODELS)
+    text = "The quick brown fox jumps over the lazy dog. " * 100
+    expected = len(counter.encoding().encode_ordinary(text))
+    assert counter.count(text) == expected
+    assert counter.count(text) == expected
+    assert len(counter._counts) == 1
+
+
+def test_calibration_is_a_clamped_ema_per_model() -> None:
+    """calibrate() moves the model's factor towards reported/estimated, clamped to 0.5..2.0."""
+    counter = TokenCounter(MODELS)
+    assert counter.factor("claude-sonnet-4") == 1.0
+    counter.calibrate("claude-sonnet-4-20250514", 100, 120)
+    assert counter.factor("claude-sonnet-4") == pytest.approx(1.2)
+    counter.calibrate("claude-sonnet-4", 100, 100)
+    assert 1.0 < counter.factor("claude-sonnet-4") < 1.2
+    assert counter.factor("gpt-4o") == 1.0  # per model
+    for _ in range(50):
+        counter.calibrate("gpt-4o", 100, 10_000)
+    assert counter.factor("gpt-4o") == 2.0
+    counter.calibrate("gpt-4o", 0, 100)  # ignored: nothing to compare
+    assert counter.factor("gpt-4o") == 2.0
+
+
+def test_unknown_model_names_stay_bounded() -> None:
+    """Client-chosen model names cannot grow the counter's caches without bound."""
+    counter = TokenCounter({"default": ModelSettings()})
+    for i in range(3000):
+        counter.count("hi", f"m-{i}")
+        counter.calibrate(f"m-{i}", 10, 11)
+    assert len(counter._encodings) <= 1024
+    assert set(counter._factors) == {"default"}
