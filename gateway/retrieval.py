@@ -1,284 +1,618 @@
-"""Retrieval layer (draft v1: tunable)."""
+"""Retrieval layer: which earlier messages to forward, verbatim and whole, for the newest user turn.
+
+A long request is rewritten to system + state + summary + recent window, plus a block of "relevant
+earlier excerpts" just before the newest user turn. This module picks those excerpts: an incremental,
+pure-Python lexical index over one conversation's messages (by position), searched with the newest
+user message under a token budget. No I/O; the caller owns the message texts and the rendering.
+
+Ranking (each step measured with ``scripts/tune_retrieval.py`` on the LongMemEval_S dev file: 30
+conversations of ~500 messages, 28 probes with evidence, window of 10, budget 6500 tokens unless
+said; "mean" is recall averaged over budgets 1000/2000/3500/5000/6500):
+
+1. BM25 (k1 1.2, b 0.75) per message over lower-cased words with stop words dropped and a light
+   suffix stemmer, a leading "[2023/08/11 (Fri) 15:58]" stamp stripped so dates don't match as
+   words. Plain BM25 on raw words, greedy by score (``RankingParams.plain()``): recall 0.833 at
+   6500 (tokens ratio 0.094), 0.738 at 1500; mean 0.769.
+2. Query words that only say "this is a memory question" (remind, previous, conversation,
+   mentioned) are dropped: they match every chatty message. +0.03 at 1000 tokens.
+3. Neighbours: a message also scores 0.3 x the scores of the messages right before and after it in
+   the same session: a question and its answer sit side by side and the answer often does not
+   repeat the question's words ("your move after 27. Kg2?" -> "28. Kg3 would be my move.").
+4. Knapsack fill: messages are taken greedily by score / tokens^0.5, not by score. Evidence is
+   mostly short user turns, while a long assistant answer matching on a few words eats the budget
+   of ten of them. With 1-3: 0.839 -> 0.923 at 6500.
+5. Whole sessions: each session is scored as one BM25 document (its messages' term frequencies
+   summed, saturated); every message of a session above the median session gets
+   0.7 x (its excess / the best excess) x the best message score. Facts on one topic are spread
+   over a session's turns, and "accessories for my photography setup" matches a session about a
+   Sony camera (flash, lens, bag) far better than any one of its messages. Mean 0.880 -> 0.945.
+   Measured relative to the median so that a prior lifting every session alike (a one-session
+   conversation) changes nothing instead of letting short off-topic turns win on density.
+6. Time: "two months ago", "last Tuesday", "last week", "yesterday", "in March", "March 3rd" are
+   resolved against the question's time (``query_time``, else a leading stamp in the query, else
+   the latest indexed message) and, at indexing, against each message's own time ("last Sunday"
+   said on 2023-09-16 is about 2023-09-10). Messages whose day or resolved event days fall in the
+   question's span get 0.5 x the best score, so "what did I do last Tuesday?" works with no content
+   word to match (skipped when the span covers most of the conversation). Neutral on the dev file,
+   where the lexical match already finds the one such item.
+7. Recent turns: a query of at most 3 content words ("and the second one?") takes the 8 rarest
+   indexed words of the last two ``recent`` texts at weight 0.2. Expanding every query cost 0.017
+   at 3500 tokens (the dev questions are self-contained), hence the gate.
+
+Result: recall 0.964 at 6500 tokens (tokens ratio 0.094 with window, summary and state), 0.964 at
+3500 (0.065), 0.923 at 1500 (0.046); mean 0.945 vs 0.769 for plain BM25. The one miss left is a
+vocabulary gap ("dinner with my homegrown ingredients" vs "basil, mint, cherry tomatoes from my
+garden") that no lexical method closes. Also measured and dropped: a user-message boost (x1.3:
++0.005 at most once step 4 is on), max instead of sum over neighbours (equal or worse), a BM25
+length term for sessions (no change).
+
+Cost: ``add`` is O(message length). Postings are per-term ``array('I')`` of
+``position << 8 | tf`` (4 bytes a posting, tf capped at 255), a bare int while a term has one
+posting; terms are interned so cached conversations share their strings: ~0.9 MB for 1,000
+messages. ``search`` walks the query words' postings plus O(messages) for the session and time
+priors: ~0.6 ms p50, ~1.2 ms p99 on ~1,000 messages.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime, timedelta
+
+__all__ = ["Excerpt", "RankingParams", "RetrievalIndex"]
 
 
 @dataclass(frozen=True, slots=True)
 class Excerpt:
-    index: int
+    index: int  # position of the message in the conversation (0-based)
     score: float
 
 
 @dataclass(frozen=True, slots=True)
 class RankingParams:
+    """Tuning knobs; the defaults are the measured method (see the module docstring)."""
+
     k1: float = 1.2
     b: float = 0.75
     stop_words: bool = True
     stem: bool = True
     strip_stamp: bool = True
+    meta_stop: bool = True
     neighbour_weight: float = 0.3
-    neighbour_mode: str = "sum"  # sum | max
-    session_weight: float = 0.0
+    session_weight: float = 0.7
     session_k1: float = 1.2
-    session_b: float = 0.75
-    user_boost: float = 1.0
-    cost_alpha: float = 0.0
-    recent_weight: float = 0.0
-    recent_terms: int = 0
-    meta_stop: bool = False
-    session_gap: float = 1800.0
+    time_weight: float = 0.5
+    cost_alpha: float = 0.5
+    recent_weight: float = 0.2
+    recent_terms: int = 8
+    recent_texts: int = 2
+    # Only a query this short (in distinct content words) is expanded: longer ones carry their subject.
+    recent_max_query_words: int = 3
+    # A gap longer than this (or a message opening with a date stamp) starts a new session.
+    session_gap_s: float = 1800.0
 
     @classmethod
     def plain(cls) -> RankingParams:
-        return cls(stop_words=False, stem=False, strip_stamp=False, neighbour_weight=0.0)
+        """Plain BM25 on raw words, greedy by score: the baseline the refinements are measured against."""
+        return cls(
+            stop_words=False, stem=False, strip_stamp=False, meta_stop=False, neighbour_weight=0.0,
+            session_weight=0.0, time_weight=0.0, cost_alpha=0.0, recent_weight=0.0,
+        )
 
 
-_TOKEN_RE = re.compile(r"[a-z0-9]+")
-_STAMP_RE = re.compile(r"^\s*\[(\d{4})[/-](\d{1,2})[/-](\d{1,2})(?: \(\w+\))?(?: (\d{1,2}):(\d{2}))?\]\s*")
+# --------------------------------------------------------------------------------------------- text
+
+_WORD_RE = re.compile(r"[a-z0-9]+")
+# "[2023/08/11 (Fri) 15:58] " as LongMemEval-style clients stamp a session's first message.
+_STAMP_RE = re.compile(
+    r"^\s*\[(\d{4})[/-](\d{1,2})[/-](\d{1,2})(?:\s*\(\w+\))?(?:[ T](\d{1,2}):(\d{2})(?::\d{2})?)?\]\s*"
+)
 
 _STOP = frozenset(
-    """a about above after again against all am an and any are aren as at be because been before being
-below between both but by can cannot could couldn did didn do does doesn doing don down during each few
-for from further had hadn has hasn have haven having he her here hers herself him himself his how i if in
-into is isn it its itself just let ll m me more most mustn my myself no nor not now o of off on once only
-or other our ours ourselves out over own re s same shan she should shouldn so some such t than that the
-their theirs them themselves then there these they this those through to too under until up ve very was
-wasn we were weren what when where which while who whom why will with won would wouldn you your yours
-yourself yourselves also really like get got im ive id youre dont thats its""".split()
+    {
+        "a", "about", "above", "after", "again", "against", "all", "also", "am", "an", "and", "any",
+        "are", "aren", "as", "at", "be", "because", "been", "before", "being", "below", "between", "both",
+        "but", "by", "can", "cannot", "could", "couldn", "d", "did", "didn", "do", "does", "doesn",
+        "doing", "don", "dont", "down", "during", "each", "few", "for", "from", "further", "get", "got",
+        "had", "hadn", "has", "hasn", "have", "haven", "having", "he", "her", "here", "hers", "herself",
+        "him", "himself", "his", "how", "i", "id", "if", "im", "in", "into", "is", "isn", "it", "its",
+        "itself", "ive", "just", "let", "ll", "m", "me", "more", "most", "mustn", "my", "myself", "no",
+        "nor", "not", "now", "o", "of", "off", "on", "once", "only", "or", "other", "our", "ours",
+        "ourselves", "out", "over", "own", "re", "really", "s", "same", "shan", "she", "should",
+        "shouldn", "so", "some", "such", "t", "than", "that", "thats", "the", "their", "theirs", "them",
+        "themselves", "then", "there", "these", "they", "this", "those", "through", "to", "too", "under",
+        "until", "up", "ve", "very", "was", "wasn", "we", "were", "weren", "what", "when", "where",
+        "which", "while", "who", "whom", "why", "will", "with", "won", "would", "wouldn", "you", "youre",
+        "your", "yours", "yourself", "yourselves"
+    }
 )
-# Words that say "this is a memory question" rather than what it is about.
+# Words that only say "this is a question about our history"; they match every chatty message.
 _META = frozenset(
-    """remind reminding remember recall previous previously earlier conversation conversations chat chats
-discussed discuss talked mentioned mention told tell wondering going back looking wanted follow""".split()
+    {
+        "remind", "reminding", "remember", "recall", "previous", "previously", "earlier", "conversation",
+        "conversations", "chat", "chats", "discussed", "discuss", "talked", "mentioned", "mention",
+        "told", "tell", "wondering", "going", "back", "looking", "wanted", "follow"
+    }
 )
 
 
-def _stem(w: str) -> str:
-    n = len(w)
-    if n <= 3 or w.isdigit():
-        return w
-    if w.endswith("ies") and n > 4:
+@functools.lru_cache(maxsize=1 << 16)
+def _stem(word: str) -> str:
+    """Light suffix stripping (plurals, -ing, -ed, final e, doubled consonant) applied alike to text and
+    query, so collect/collecting, complete/completed, take/taking, add/added meet."""
+    w = word
+    if len(w) <= 3 or w.isdigit():
+        return sys.intern(w)
+    if w.endswith(("ies", "ied")) and len(w) > 4:
         w = w[:-3] + "y"
-    elif w.endswith("sses"):
-        w = w[:-2]
-    elif w.endswith(("ches", "shes", "xes", "zes")):
+    elif w.endswith("sses") or w.endswith(("ches", "shes", "xes", "zes")):
         w = w[:-2]
     elif w.endswith("s") and not w.endswith(("ss", "us", "is")):
         w = w[:-1]
-    n = len(w)
-    if n > 5 and w.endswith("ing"):
+    elif len(w) > 5 and w.endswith("ing"):
         w = w[:-3]
-    elif n > 4 and w.endswith("ed"):
+    elif len(w) > 4 and w.endswith("ed"):
         w = w[:-2]
-    else:
-        return w
-    if len(w) > 2 and w[-1] == w[-2] and w[-1] not in "lsz":
+    if len(w) > 3 and w.endswith("e"):
         w = w[:-1]
-    return w
+    if len(w) > 3 and w[-1] == w[-2] and w[-1] not in "lsz" and not w[-1].isdigit():
+        w = w[:-1]  # running -> run, added -> ad like add -> ad
+    return sys.intern(w)
 
 
-def _analyse(text: str, p: RankingParams, query: bool = False) -> list[str]:
-    words = _TOKEN_RE.findall(text.lower().replace("'", ""))
+def _words(text: str, p: RankingParams, *, query: bool = False) -> list[str]:
+    words = _WORD_RE.findall(text.lower().replace("'", "").replace("’", ""))
     if p.stop_words:
         words = [w for w in words if w not in _STOP]
     if query and p.meta_stop:
         words = [w for w in words if w not in _META]
     if p.stem:
-        words = [_stem(w) for w in words]
-    return words
+        return [_stem(w) for w in words]
+    return [sys.intern(w) for w in words]
 
 
-def _parse_time(s: str | None) -> float:
-    if not s:
-        return math.nan
+# --------------------------------------------------------------------------------------------- time
+
+_NUMBERS = {
+    "a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
+    "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "a few": 3, "a couple of": 2,
+    "couple of": 2, "several": 4,
+}
+_UNIT_DAYS = {"day": 1.0, "week": 7.0, "month": 30.44, "year": 365.25}
+_MONTHS = {
+    m: i + 1
+    for i, m in enumerate(
+        (
+            "january", "february", "march", "april", "may", "june", "july", "august", "september",
+            "october", "november", "december",
+        )
+    )
+}
+_MONTHS.update({m[:3]: i for m, i in list(_MONTHS.items())})
+_MONTHS["sept"] = 9
+_WEEKDAYS = {
+    d: i for i, d in enumerate(("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"))
+}
+
+_NUM = (
+    r"(\d{1,3}|an?|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|a few|(?:a )?couple of"
+    r"|several)"
+)
+_MONTH = (
+    r"(jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sept?(?:ember)?"
+    r"|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)"
+)
+_WEEKDAY = r"(monday|tuesday|wednesday|thursday|friday|saturday|sunday)"
+_TIME_RE = re.compile(
+    rf"\b{_NUM} (day|week|month|year)s? ago\b"  # 1-2
+    r"|\b(the day before yesterday|yesterday|today|tonight|this morning|this afternoon|last night)\b"  # 3
+    r"|\b(?:last|past|previous) (week|weekend|month|year)\b"  # 4
+    rf"|\b(?:last|this past) {_WEEKDAY}\b"  # 5
+    rf"|\b{_MONTH}\.? (\d{{1,2}})(?:st|nd|rd|th)?\b(?!:)"  # 6-7
+    rf"|\b(\d{{1,2}})(?:st|nd|rd|th)? of {_MONTH}\b"  # 8-9
+    rf"|\b(?:in|during|since|early|late|mid|of|last) {_MONTH}\b(?! \d)"  # 10
+    r"|\b(\d{4})[/-](\d{1,2})[/-](\d{1,2})\b"  # 11-13
+)
+
+_Span = tuple[int, int]  # inclusive range of date ordinals
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    if not value:
+        return None
     try:
-        return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+        return datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:
-        return math.nan
+        return None
+
+
+def _month_span(year: int, month: int) -> _Span:
+    first = date(year, month, 1)
+    nxt = date(year + (month == 12), month % 12 + 1, 1)
+    return first.toordinal(), nxt.toordinal() - 1
+
+
+def _past_date(ref: date, month: int, day: int) -> date | None:
+    """The latest month/day on or before `ref` (a date mentioned without a year is in the past)."""
+    for year in (ref.year, ref.year - 1):
+        try:
+            d = date(year, month, day)
+        except ValueError:
+            return None
+        if d <= ref + timedelta(days=1):
+            return d
+    return None
+
+
+def _time_spans(text: str, ref: date) -> list[_Span]:
+    """Date spans that the time expressions of `text`, said on `ref`, point to."""
+    spans: list[_Span] = []
+    r = ref.toordinal()
+    for m in _TIME_RE.finditer(text.lower()):
+        g = m.groups()
+        if g[0]:
+            n = int(g[0]) if g[0].isdigit() else _NUMBERS.get(g[0], 1)
+            back = n * _UNIT_DAYS[g[1]]
+            # The further back, the vaguer: "two months ago" is some day within a few weeks of it.
+            tol = 0 if g[1] == "day" else max(2, round(0.25 * back))
+            spans.append((r - round(back) - tol, r - round(back) + tol))
+        elif g[2]:
+            back = {"the day before yesterday": 2, "yesterday": 1, "last night": 1}.get(g[2], 0)
+            spans.append((r - back, r - back))
+        elif g[3]:
+            unit = g[3]
+            if unit == "week":
+                spans.append((r - 13, r - 1))
+            elif unit == "weekend":
+                sat = r - ((ref.weekday() - 5) % 7 or 7)
+                spans.append((sat, sat + 1))
+            elif unit == "month":
+                y, mo = (ref.year, ref.month - 1) if ref.month > 1 else (ref.year - 1, 12)
+                spans.append(_month_span(y, mo))
+            else:
+                spans.append((date(ref.year - 1, 1, 1).toordinal(), date(ref.year - 1, 12, 31).toordinal()))
+        elif g[4]:
+            back = (ref.weekday() - _WEEKDAYS[g[4]]) % 7 or 7
+            spans.append((r - back, r - back))
+        elif g[5] or g[8]:
+            month = _MONTHS[(g[5] or g[8])[:4] if (g[5] or g[8]).startswith("sept") else (g[5] or g[8])[:3]]
+            d = _past_date(ref, month, int(g[6] or g[7]))
+            if d is not None:
+                spans.append((d.toordinal(), d.toordinal()))
+        elif g[9]:
+            month = _MONTHS[g[9][:4] if g[9].startswith("sept") else g[9][:3]]
+            year = ref.year if month <= ref.month else ref.year - 1
+            spans.append(_month_span(year, month))
+        elif g[10]:
+            try:
+                d = date(int(g[10]), int(g[11]), int(g[12]))
+            except ValueError:
+                continue
+            spans.append((d.toordinal(), d.toordinal()))
+    return spans
+
+
+# -------------------------------------------------------------------------------------------- index
+
+_EPOCH = datetime(1970, 1, 1)
+_EPOCH_DAY = _EPOCH.toordinal()
+
+
+def _wall_seconds(when: datetime) -> float:
+    # Wall-clock seconds, offsets ignored: a conversation's times share one zone in practice, and
+    # naive and aware values must still compare without raising.
+    return (when.replace(tzinfo=None) - _EPOCH).total_seconds()
+
+
+def _day(seconds: float) -> int:
+    return _EPOCH_DAY + int(seconds // 86400)
 
 
 class RetrievalIndex:
+    """Incremental lexical index over one conversation's messages, by position."""
+
+    __slots__ = (
+        "_events", "_last_secs", "_lengths", "_p", "_postings", "_secs", "_sess_len", "_sess_start",
+        "_session", "_tokens", "_total_len",
+    )
+
     def __init__(self, params: RankingParams | None = None) -> None:
         self._p = params or RankingParams()
-        self._postings: dict[str, array[int]] = {}
-        self._lengths = array("I")
-        self._tokens = array("I")
-        self._roles = bytearray()
-        self._times = array("d")
-        self._session = array("I")
+        # term -> postings `position << 8 | tf`, ascending; a bare int while the term has one posting,
+        # since ~40% of a conversation's words occur once and an array costs 80 bytes of overhead.
+        self._postings: dict[str, int | array[int]] = {}
+        self._lengths = array("I")  # indexed words per message (BM25 length)
+        self._tokens = array("I")  # caller's token count per message (budgeting)
+        self._session = array("I")  # session number per message
+        self._secs = array("d")  # wall-clock seconds of the message's time, NaN if unknown
+        self._last_secs = math.nan  # latest known time: the reference for session gaps
+        self._sess_start = array("I")  # first position of each session
+        self._sess_len = array("I")  # indexed words per session
+        self._events: dict[int, tuple[_Span, ...]] = {}  # position -> dates its text talks about
         self._total_len = 0
 
     def __len__(self) -> int:
         return len(self._lengths)
 
     def add(self, index: int, role: str, text: str, time: str | None, tokens: int) -> None:
+        """Index the message at `index` (must equal len(self): appends only)."""
         if index != len(self._lengths):
-            raise ValueError(f"add({index}) on an index of {len(self._lengths)} messages")
+            raise ValueError(f"add({index}) on an index of {len(self._lengths)} messages: appends only")
         p = self._p
+        when = _parse_time(time)
         stamped = False
-        if p.strip_stamp:
+        if p.strip_stamp and text:
             m = _STAMP_RE.match(text)
             if m:
                 stamped = True
                 text = text[m.end():]
-        terms = _analyse(text, p)
+                if when is None:
+                    when = _stamp_time(m)
+        terms = _words(text, p) if text else []
         tf: dict[str, int] = {}
         for t in terms:
             tf[t] = tf.get(t, 0) + 1
-        for t, n in tf.items():
-            plist = self._postings.get(t)
+        postings = self._postings
+        for t, f in tf.items():
+            packed = index << 8 | min(f, 255)
+            plist = postings.get(t)
             if plist is None:
-                plist = self._postings[t] = array("I")
-            plist.append(index << 8 | min(n, 255))
-        ts = _parse_time(time)
-        if index == 0:
-            sess = 0
-        else:
-            prev = self._times[-1]
-            gap = ts - prev
-            new = stamped or (gap == gap and (gap > p.session_gap or gap < 0))
-            sess = self._session[-1] + (1 if new else 0)
+                postings[t] = packed
+            elif isinstance(plist, int):
+                postings[t] = array("I", (plist, packed))
+            else:
+                plist.append(packed)
+
+        secs = _wall_seconds(when) if when is not None else math.nan
+        new_session = index == 0 or stamped
+        if not new_session and secs == secs:
+            prev = self._last_secs
+            if prev == prev:
+                gap = secs - prev
+                new_session = gap > p.session_gap_s or gap < 0
+        if new_session:
+            self._sess_start.append(index)
+            self._sess_len.append(0)
+        self._session.append(len(self._sess_start) - 1)
+        self._sess_len[-1] += len(terms)
+        self._secs.append(secs)
+        if secs == secs:
+            self._last_secs = secs
+        if when is not None and p.time_weight > 0 and text:
+            spans = _time_spans(text, when.date())
+            if spans:
+                self._events[index] = tuple(spans)
         self._lengths.append(len(terms))
         self._tokens.append(max(0, tokens))
-        self._roles.append(0 if role == "user" else 1)
-        self._times.append(ts)
-        self._session.append(sess)
         self._total_len += len(terms)
 
     def truncate(self, length: int) -> None:
+        """Forget positions >= length (the conversation branched)."""
+        length = max(0, length)
         if length >= len(self._lengths):
             return
-        length = max(0, length)
         floor = length << 8
-        for t in list(self._postings):
-            plist = self._postings[t]
+        # Postings are ascending by position, so the forgotten ones are each list's tail.
+        postings = self._postings
+        for t in list(postings):
+            plist = postings[t]
+            if isinstance(plist, int):
+                if plist >= floor:
+                    del postings[t]
+                continue
             while plist and plist[-1] >= floor:
                 plist.pop()
-            if not plist:
-                del self._postings[t]
+            if len(plist) <= 1:
+                if plist:
+                    postings[t] = plist[0]
+                else:
+                    del postings[t]
         self._total_len -= sum(self._lengths[length:])
         del self._lengths[length:]
         del self._tokens[length:]
-        del self._roles[length:]
-        del self._times[length:]
+        del self._secs[length:]
+        self._last_secs = next((t for t in reversed(self._secs) if t == t), math.nan)
+        for i in [i for i in self._events if i >= length]:
+            del self._events[i]
         del self._session[length:]
+        nsess = self._session[-1] + 1 if length else 0
+        del self._sess_start[nsess:]
+        del self._sess_len[nsess:]
+        if nsess:
+            start = self._sess_start[-1]
+            self._sess_len[-1] = sum(self._lengths[start:length])
 
     def search(
         self,
         query: str,
         *,
         budget_tokens: int,
-        exclude: Callable[[int], bool] | set[int] | range = frozenset(),  # type: ignore[assignment]
+        exclude: Callable[[int], bool] | set[int] | frozenset[int] | range = frozenset(),
         recent: Sequence[str] = (),
         query_time: str | None = None,
     ) -> list[Excerpt]:
+        """Best-matching messages, greedily filling budget_tokens with WHOLE messages (a message whose
+        tokens exceed the remaining budget is skipped, smaller ones may still fit); returned in
+        conversation order (ascending index). `exclude`: positions never returned (the window, messages
+        already forwarded). `recent`: texts of the latest turns for optional query expansion.
+        `query_time`: ISO time of the question if known."""
         n = len(self._lengths)
-        if n == 0 or budget_tokens <= 0:
+        if n == 0 or budget_tokens <= 0 or not query:
             return []
         p = self._p
+        when = _parse_time(query_time)
         if p.strip_stamp:
             m = _STAMP_RE.match(query)
             if m:
                 query = query[m.end():]
-        qw: dict[str, float] = {}
-        for t in _analyse(query, p, query=True):
-            qw[t] = 1.0
-        if not qw:
+                when = when or _stamp_time(m)
+        postings = self._postings
+        weights: dict[str, float] = dict.fromkeys(_words(query, p, query=True), 1.0)
+        if p.recent_weight > 0 and recent and 0 < len(weights) <= p.recent_max_query_words:
+            extra = {
+                t
+                for text in recent[-p.recent_texts:]
+                for t in _words(text, p, query=True)
+                if t not in weights and t in postings
+            }
+            for t in sorted(extra, key=lambda t: (_df(postings[t]), t))[: p.recent_terms]:
+                weights[t] = p.recent_weight
+        spans: list[_Span] = []
+        if p.time_weight > 0:
+            if when is not None:
+                spans = _time_spans(query, when.date())
+            else:
+                last = self._last_secs
+                if last == last:
+                    spans = _time_spans(query, date.fromordinal(_day(last)))
+        if not weights and not spans:
             return []
-        if p.recent_weight > 0 and recent:
-            extra: dict[str, int] = {}
-            for r in recent:
-                for t in _analyse(r, p, query=True):
-                    if t not in qw and t in self._postings:
-                        extra[t] = extra.get(t, 0) + 1
-            cand = sorted(extra, key=lambda t: len(self._postings[t]))[: p.recent_terms]
-            for t in cand:
-                qw[t] = p.recent_weight
-        avgdl = self._total_len / n or 1.0
-        scores: dict[int, float] = {}
-        lengths = self._lengths
-        session = self._session
+
+        scores = self._bm25(weights, n)
+        if p.neighbour_weight > 0 and scores:
+            scores = self._spread_to_neighbours(scores, n)
+        top = max(scores.values(), default=0.0) or 1.0
+        if p.session_weight > 0 and scores:
+            self._add_session_prior(weights, scores, n, top)
+        if spans:
+            self._add_time_prior(spans, scores, n, top)
+        return self._fill(scores, budget_tokens, exclude)
+
+    # ---------------------------------------------------------------------------------- internals
+
+    def _bm25(self, weights: dict[str, float], n: int) -> dict[int, float]:
+        p = self._p
         k1, b = p.k1, p.b
-        use_sess = p.session_weight > 0
-        sess_scores: dict[int, float] = {}
-        nsess = session[-1] + 1
-        for t, w in qw.items():
-            plist = self._postings.get(t)
-            if not plist:
+        lengths = self._lengths
+        avgdl = self._total_len / n or 1.0
+        # Per-document BM25 length factor, folded so the inner loop is one multiply-add.
+        c0, c1 = k1 * (1.0 - b), k1 * b / avgdl
+        scores: dict[int, float] = {}
+        get = scores.get
+        for t, w in weights.items():
+            entry = self._postings.get(t)
+            if entry is None:
                 continue
+            plist: Sequence[int] = (entry,) if isinstance(entry, int) else entry
             df = len(plist)
-            idf = w * math.log(1.0 + (n - df + 0.5) / (df + 0.5))
-            sess_tf: dict[int, int] = {}
+            idf = w * math.log(1.0 + (n - df + 0.5) / (df + 0.5)) * (k1 + 1.0)
             for packed in plist:
                 d = packed >> 8
                 f = packed & 255
-                norm = k1 * (1.0 - b + b * lengths[d] / avgdl)
-                scores[d] = scores.get(d, 0.0) + idf * f * (k1 + 1.0) / (f + norm)
-                if use_sess:
-                    s = session[d]
-                    sess_tf[s] = sess_tf.get(s, 0) + f
-            if use_sess:
-                sdf = len(sess_tf)
-                sidf = w * math.log(1.0 + (nsess - sdf + 0.5) / (sdf + 0.5))
-                for s, f in sess_tf.items():
-                    sat = f / (f + p.session_k1)
-                    sess_scores[s] = sess_scores.get(s, 0.0) + sidf * sat
-        if p.neighbour_weight > 0:
-            base = scores
-            scores = dict(base)
-            nw = p.neighbour_weight
-            for d, s in base.items():
-                for e in (d - 1, d + 1):
-                    if 0 <= e < n and session[e] == session[d]:
-                        if p.neighbour_mode == "sum":
-                            scores[e] = scores.get(e, 0.0) + nw * s
-                        else:
-                            cur = base.get(e, 0.0)
-                            scores[e] = max(scores.get(e, 0.0), cur + nw * s)
-        if use_sess and sess_scores:
-            top = max(sess_scores.values()) or 1.0
-            sw = p.session_weight
-            # spread the session prior to every message of a matching session
-            sess_members: dict[int, list[int]] = {}
-            for d in range(n):
-                s = session[d]
-                if s in sess_scores:
-                    sess_members.setdefault(s, []).append(d)
-            for s, members in sess_members.items():
-                bonus = sw * sess_scores[s] / top
-                for d in members:
-                    scores[d] = scores.get(d, 0.0) + bonus
-        if p.user_boost != 1.0:
-            roles = self._roles
-            for d in scores:
-                if roles[d] == 0:
-                    scores[d] *= p.user_boost
+                scores[d] = get(d, 0.0) + idf * f / (f + c0 + c1 * lengths[d])
+        return scores
+
+    def _spread_to_neighbours(self, base: dict[int, float], n: int) -> dict[int, float]:
+        session = self._session
+        nw = self._p.neighbour_weight
+        scores = dict(base)
+        get = scores.get
+        for d, s in base.items():
+            sd = session[d]
+            if d > 0 and session[d - 1] == sd:
+                scores[d - 1] = get(d - 1, 0.0) + nw * s
+            if d + 1 < n and session[d + 1] == sd:
+                scores[d + 1] = get(d + 1, 0.0) + nw * s
+        return scores
+
+    def _add_session_prior(
+        self, weights: dict[str, float], scores: dict[int, float], n: int, top: float
+    ) -> None:
+        p = self._p
+        session = self._session
+        nsess = len(self._sess_start)
+        k1 = p.session_k1
+        sess_scores: dict[int, float] = {}
+        for t, w in weights.items():
+            entry = self._postings.get(t)
+            if entry is None:
+                continue
+            plist: Sequence[int] = (entry,) if isinstance(entry, int) else entry
+            tf: dict[int, int] = {}
+            for packed in plist:
+                s = session[packed >> 8]
+                tf[s] = tf.get(s, 0) + (packed & 255)
+            sdf = len(tf)
+            idf = w * math.log(1.0 + (nsess - sdf + 0.5) / (sdf + 0.5))
+            for s, f in tf.items():
+                sess_scores[s] = sess_scores.get(s, 0.0) + idf * f * (k1 + 1.0) / (f + k1)
+        # Relative to a typical session (the median, usually 0): a prior that lifts every session alike,
+        # as in a one-session conversation, would only let short off-topic turns win on density.
+        values = sorted(sess_scores.values())
+        mid = len(values) - nsess + (nsess - 1) // 2  # median over all sessions, unmatched ones being 0
+        typical = values[mid] if mid >= 0 else 0.0
+        best = values[-1] - typical
+        if best <= 0:
+            return
+        scale = p.session_weight * top / best
+        starts = self._sess_start
+        get = scores.get
+        for s, v in sess_scores.items():
+            if v <= typical:
+                continue
+            bonus = scale * (v - typical)
+            end = starts[s + 1] if s + 1 < nsess else n
+            for d in range(starts[s], end):
+                scores[d] = get(d, 0.0) + bonus
+
+    def _add_time_prior(self, spans: list[_Span], scores: dict[int, float], n: int, top: float) -> None:
+        secs = self._secs
+        events = self._events
+        hits: list[int] = []
+        for d in range(n):
+            t = secs[d]
+            day = _day(t) if t == t else -1
+            if any(a <= day <= b for a, b in spans) or (
+                d in events and any(a <= eb and ea <= b for ea, eb in events[d] for a, b in spans)
+            ):
+                hits.append(d)
+        # A span that covers most of the conversation says nothing about which message to pick.
+        if not hits or len(hits) * 2 > n:
+            return
+        bonus = self._p.time_weight * top
+        get = scores.get
+        for d in hits:
+            scores[d] = get(d, 0.0) + bonus
+
+    def _fill(
+        self,
+        scores: dict[int, float],
+        budget: int,
+        exclude: Callable[[int], bool] | set[int] | frozenset[int] | range,
+    ) -> list[Excerpt]:
         excluded = exclude if callable(exclude) else exclude.__contains__
         toks = self._tokens
-        if p.cost_alpha > 0:
-            a = p.cost_alpha
-            key = {d: s / (max(toks[d], 1) ** a) for d, s in scores.items()}
-            ranked = sorted(scores.items(), key=lambda kv: key[kv[0]], reverse=True)
+        alpha = self._p.cost_alpha
+        if alpha > 0:
+            # Value per token: a long answer matching on a few words should not crowd out ten short turns.
+            ranked = sorted(scores, key=lambda d: scores[d] / max(toks[d], 1) ** alpha, reverse=True)
         else:
-            ranked = sorted(scores.items(), key=lambda kv: kv[1], reverse=True)
-        left = budget_tokens
+            ranked = sorted(scores, key=scores.__getitem__, reverse=True)
+        left = budget
         out: list[Excerpt] = []
-        for d, s in ranked:
-            if excluded(d):
-                continue
+        for d in ranked:
             cost = toks[d]
-            if cost > left:
+            if cost > left or excluded(d):
                 continue
             left -= cost
-            out.append(Excerpt(d, s))
+            out.append(Excerpt(d, scores[d]))
             if left <= 0:
                 break
         out.sort(key=lambda e: e.index)
         return out
+
+
+def _df(plist: int | array[int]) -> int:
+    return 1 if isinstance(plist, int) else len(plist)
+
+
+def _stamp_time(m: re.Match[str]) -> datetime | None:
+    try:
+        return datetime(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 0), int(m[5] or 0))
+    except ValueError:
+        return None

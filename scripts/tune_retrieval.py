@@ -119,14 +119,17 @@ def run(
             evidence = probe.get("evidence") or []
             if not evidence:
                 continue
-            text = normalise("\n".join([*window, *(messages[i]["content"] or "" for i in retrieved), question]))
+            parts = [*window, *(messages[i]["content"] or "" for i in retrieved), question]
+            text = normalise("\n".join(parts))
             kept = [i for i in evidence if normalise(messages[i]["content"] or "") in text]
             recall = len(kept) / len(evidence)
             recalls.append(recall)
             by_cat[probe.get("category") or "-"].append(recall)
             if recall < 1.0:
                 missed = sorted(set(evidence) - set(kept))
-                misses.append(f"{conv['id']} [{probe.get('category')}] missed {missed} retrieved={len(retrieved)}")
+                misses.append(
+                    f"{conv['id']} [{probe.get('category')}] missed {missed} retrieved={len(retrieved)}"
+                )
     latencies.sort()
     result = {
         "evidence_recall": statistics.fmean(recalls) if recalls else 0.0,
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'category':<28}{'n':>4}{'recall':>9}")
     for cat, (rec, n) in res["by_category"].items():
         print(f"{cat:<28}{n:>4}{rec:>9.3f}")
-    print(f"{'overall':<28}{sum(n for _, n in res['by_category'].values()):>4}{res['evidence_recall']:>9.3f}")
+    total = sum(n for _, n in res["by_category"].values())
+    print(f"{'overall':<28}{total:>4}{res['evidence_recall']:>9.3f}")
     print(f"tokens_ratio={res['tokens_ratio']:.3f}")
     print(f"search latency p50={res['latency_p50_ms']:.2f} ms p99={res['latency_p99_ms']:.2f} ms")
     return 0

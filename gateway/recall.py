@@ -1,0 +1,134 @@
+"""In-process cache of per-conversation retrieval indexes, fed incrementally from the store.
+
+The store holds every message; the lexical index over them lives here, one per conversation, kept
+up to date as turns arrive (`extend`) and topped up from the store when another replica recorded
+turns this process has not seen (`ensure`). It is never rebuilt per request: a conversation's
+messages are read from Redis once per process, then only the new ones. Least-recently-used
+conversations are evicted past `max_conversations`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.model import Turn
+from gateway.retrieval import RetrievalIndex
+
+# (conversation key) → messages [start, stop) from the store
+FetchTurns = Callable[[int, int], Awaitable[list[Turn]]]
+
+
+@dataclass(slots=True)
+class _Entry:
+    index: RetrievalIndex = field(default_factory=RetrievalIndex)
+    texts: list[str] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    times: list[str | None] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    chains: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Recalled:
+    position: int
+    role: str
+    text: str
+    time: str | None
+    tokens: int
+
+
+class RecallCache:
+    def __init__(self, max_conversations: int = 512) -> None:
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._max = max_conversations
+
+    def _entry(self, key: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+            while len(self._entries) > self._max:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return entry
+
+    def forget(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    def _add(self, entry: _Entry, turns: Sequence[Turn]) -> None:
+        for turn in turns:
+            entry.index.add(len(entry.texts), turn.role, turn.text, turn.time, turn.tokens)
+            entry.texts.append(turn.text)
+            entry.roles.append(turn.role)
+            entry.times.append(turn.time)
+            entry.tokens.append(turn.tokens)
+            entry.chains.append(turn.chain)
+
+    def truncate(self, key: str, length: int) -> None:
+        """The conversation branched at `length`: positions from there on are no longer history."""
+        entry = self._entries.get(key)
+        if entry is not None and len(entry.texts) > length:
+            entry.index.truncate(length)
+            for column in (entry.texts, entry.roles, entry.times, entry.tokens, entry.chains):
+                del column[length:]
+
+    def extend(self, key: str, start: int, turns: Sequence[Turn]) -> None:
+        """Index turns just recorded at `start` when they continue what this process has indexed."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        if start < len(entry.texts):
+            self.truncate(key, start)
+        if start == len(entry.texts):
+            self._add(entry, turns)
+
+    async def sync(self, key: str, tail: Sequence[Turn], tail_start: int, fetch: FetchTurns) -> None:
+        """Make every stored position [0, tail_start + len(tail)) searchable.
+
+        The tail was just loaded, so only positions before it that this process has never seen
+        are read from the store. A cached position whose chain disagrees with the loaded tail was
+        replaced by a branch on another replica, so the cache is cut back there first.
+        """
+        entry = self._entry(key)
+        for offset, turn in enumerate(tail):
+            pos = tail_start + offset
+            if pos >= len(entry.chains):
+                break
+            if entry.chains[pos] != turn.chain:
+                self.truncate(key, pos)
+                break
+        have = len(entry.texts)
+        if have < tail_start:
+            self._add(entry, await fetch(have, tail_start))
+            have = tail_start
+        self._add(entry, tail[have - tail_start:])
+
+    def search(
+        self,
+        key: str,
+        *,
+        query: str,
+        before: int,
+        exclude: Callable[[int], bool],
+        budget_tokens: int,
+        recent: Sequence[str] = (),
+        query_time: str | None = None,
+    ) -> list[Recalled]:
+        """Best earlier messages among positions < `before` that are not excluded, within budget."""
+        entry = self._entries.get(key)
+        if entry is None or budget_tokens <= 0 or before <= 0:
+            return []
+
+        def excluded(pos: int) -> bool:
+            return pos >= before or exclude(pos)
+
+        hits = entry.index.search(
+            query, budget_tokens=budget_tokens, exclude=excluded, recent=recent, query_time=query_time
+        )
+        return [
+            Recalled(h.index, entry.roles[h.index], entry.texts[h.index], entry.times[h.index],
+                     entry.tokens[h.index])
+            for h in hits
+        ]

@@ -1,0 +1,150 @@
+"""Unit tests for gateway.retrieval: the lexical index that picks earlier messages to forward."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from gateway.retrieval import Excerpt, RankingParams, RetrievalIndex
+
+_FILLER = (
+    "What a great question! Here are some ideas for planning your week and staying organised.",
+    "I think I'll try that. Can you give me a few more tips on time management?",
+    "Sure. Block out time in your calendar, batch similar tasks, and take regular short breaks.",
+    "That makes sense. I also want to get better at cooking simple healthy dinners.",
+    "Try sheet-pan meals: roast vegetables with chickpeas or chicken and a little olive oil.",
+    "Thanks! What about workouts I can do at home without any equipment?",
+)
+
+
+def _conversation(n: int, *, plant: dict[int, str] | None = None, day: int = 1) -> list[tuple[str, str, str]]:
+    """(role, text, time) for n messages in sessions of 10, a day apart, with planted texts."""
+    plant = plant or {}
+    out = []
+    for i in range(n):
+        role = "user" if i % 2 == 0 else "assistant"
+        text = plant.get(i, _FILLER[i % len(_FILLER)])
+        session, turn = divmod(i, 10)
+        time = f"2023-03-{day + session:02d}T10:{turn:02d}:00"
+        out.append((role, text, time))
+    return out
+
+
+def _index(messages: list[tuple[str, str, str]], tokens: int | list[int] = 20) -> RetrievalIndex:
+    index = RetrievalIndex()
+    for i, (role, text, time) in enumerate(messages):
+        index.add(i, role, text, time, tokens if isinstance(tokens, int) else tokens[i])
+    return index
+
+
+def test_planted_message_ranks_first() -> None:
+    """The one message sharing the query's rare words gets the top score."""
+    msgs = _conversation(60, plant={24: "By the way, my cat's name is Luna and she loves the window seat."})
+    hits = _index(msgs).search("What is the name of my cat?", budget_tokens=10_000)
+    assert max(hits, key=lambda e: e.score).index == 24
+
+
+def test_budget_never_exceeded_and_only_whole_messages() -> None:
+    """Returned token counts sum to at most the budget; an oversized match is skipped for smaller ones."""
+    rng = random.Random(7)
+    msgs = _conversation(80, plant={10: "cat Luna " * 50, 12: "my cat Luna sleeps all day"})
+    tokens = [rng.randint(5, 120) for _ in msgs]
+    tokens[10] = 500  # the best match, too big for the budget
+    tokens[12] = 10
+    index = _index(msgs, tokens)
+    for budget in (0, 1, 30, 100, 499, 1000):
+        hits = index.search("my cat Luna", budget_tokens=budget)
+        assert sum(tokens[e.index] for e in hits) <= budget
+        assert all(isinstance(e, Excerpt) and 0 <= e.index < len(msgs) for e in hits)
+    hits = index.search("my cat Luna", budget_tokens=100)
+    assert 10 not in {e.index for e in hits}
+    assert 12 in {e.index for e in hits}
+
+
+@pytest.mark.parametrize("kind", ["set", "range", "callable"])
+def test_excluded_positions_never_returned(kind: str) -> None:
+    """Positions in `exclude` (set, range or predicate) are never returned, however well they match."""
+    msgs = _conversation(50, plant={5: "my cat Luna", 44: "my cat Luna again", 46: "cat Luna toys"})
+    index = _index(msgs)
+    exclude: Callable[[int], bool] | set[int] | range
+    if kind == "set":
+        exclude = {5, 44, 46}
+    elif kind == "range":
+        exclude = range(40, 50)
+    else:
+        exclude = lambda p: p % 2 == 0  # noqa: E731
+    hits = index.search("my cat Luna", budget_tokens=10_000, exclude=exclude)
+    assert hits
+    banned = exclude if callable(exclude) else exclude.__contains__
+    assert not any(banned(e.index) for e in hits)
+
+
+def test_truncate_forgets_positions() -> None:
+    """After truncate(k) only positions < k can come back, and re-adding matches a fresh index."""
+    msgs = _conversation(40, plant={8: "the Eiffel Tower trip", 30: "Eiffel Tower at night"})
+    index = _index(msgs)
+    index.truncate(20)
+    assert len(index) == 20
+    assert {e.index for e in index.search("Eiffel Tower", budget_tokens=10_000)} <= set(range(20))
+    replacement = [("user", "we never went to the Eiffel Tower", "2023-03-03T11:00:00")]
+    for role, text, time in replacement:
+        index.add(len(index), role, text, time, 20)
+    fresh = _index(msgs[:20] + replacement)
+    query = "Eiffel Tower"
+    assert index.search(query, budget_tokens=10_000) == fresh.search(query, budget_tokens=10_000)
+    index.truncate(0)
+    assert len(index) == 0
+    assert index.search(query, budget_tokens=10_000) == []
+
+
+def test_add_must_append() -> None:
+    """add() refuses a position other than len(index): the index only appends."""
+    index = _index(_conversation(3))
+    with pytest.raises(ValueError):
+        index.add(5, "user", "hello", None, 3)
+
+
+def test_results_in_ascending_index_order() -> None:
+    """Excerpts come back in conversation order, not score order."""
+    msgs = _conversation(70, plant={60: "garden tomatoes basil", 3: "tomatoes", 31: "basil and tomatoes"})
+    hits = _index(msgs).search("tomatoes basil garden", budget_tokens=10_000)
+    positions = [e.index for e in hits]
+    assert len(positions) >= 3
+    assert positions == sorted(set(positions))
+
+
+def test_empty_index_or_query_returns_nothing() -> None:
+    """An empty index, an empty query, a query of stop words only, or a zero budget give []."""
+    assert RetrievalIndex().search("my cat", budget_tokens=1000) == []
+    index = _index(_conversation(20))
+    assert index.search("", budget_tokens=1000) == []
+    assert index.search("what is it that you were", budget_tokens=1000) == []
+    assert index.search("cooking dinners", budget_tokens=0) == []
+
+
+def test_neighbouring_answer_is_found() -> None:
+    """An answer that shares no word with the query is found through the question right before it."""
+    plant = {32: "In our chess game, after 27. Kg2 Bd5+ what is your move?", 33: "28. Kg3 would be my move."}
+    msgs = _conversation(60, plant=plant)
+    hits = _index(msgs).search("what move did you make after 27. Kg2 Bd5+?", budget_tokens=60)
+    assert {32, 33} <= {e.index for e in hits}
+
+
+def test_relative_date_in_query_favours_that_day() -> None:
+    """'two days ago' lifts the messages of that day's session above equally matching ones."""
+    plant = {5: "I baked bread today", 25: "I baked bread today", 45: "I baked bread today"}
+    msgs = _conversation(60, plant=plant)  # sessions on March 1..6; message 25 is on March 3
+    query, when = "what did I bake two days ago?", "2023-03-05T09:00:00"
+    hits = _index(msgs).search(query, budget_tokens=25, query_time=when)
+    assert [e.index for e in hits] == [25]
+
+
+def test_plain_params_still_search() -> None:
+    """The plain-BM25 baseline configuration ranks the planted message first too."""
+    index = RetrievalIndex(RankingParams.plain())
+    for i, (role, text, time) in enumerate(_conversation(30, plant={7: "my cat Luna"})):
+        index.add(i, role, text, time, 10)
+    hits = index.search("cat Luna", budget_tokens=10)
+    assert [e.index for e in hits] == [7]
