@@ -1,0 +1,240 @@
+"""Folding: which messages a fold takes, chunking, and the summary's length cap.
+
+A fold turns (previous summary, messages that aged out of the window since) into a new summary:
+it never re-reads the whole history. Everything here is plain computation; the summarizer that
+does the actual writing is passed in (`Summarizer` protocol), so the pipeline is tested without
+HTTP or Redis.
+
+Summary text layout: plain lines while it fits its cap. Over the cap, the OLDEST part is
+re-compressed into a higher-level section rather than cut:
+
+    Earlier:
+    <compressed older summary>
+
+    Recent:
+    <the newest lines, verbatim>
+
+A later fold rewrites only the Recent section (with the new messages); Earlier changes only when
+the cap forces another compression.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.model import Turn
+
+Count = Callable[[str], int]
+EARLIER = "Earlier:"
+RECENT = "Recent:"
+
+
+@dataclass(slots=True)
+class SummaryResult:
+    text: str
+    tokens_in: int = 0
+    tokens_out: int = 0
+
+
+class Summarizer(Protocol):
+    name: str  # "llm" | "extractive"
+    count: Count
+    budget_tokens: int  # most input tokens one call may take (chunks are cut to fit)
+
+    async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
+                        max_tokens: int) -> SummaryResult:
+        """The summary of (previous summary, turns [start, start+len)) within max_tokens."""
+        ...
+
+    async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
+        """A shorter, higher-level version of `text` within max_tokens, keeping durable facts."""
+        ...
+
+
+# -- trigger ----------------------------------------------------------------------------------
+
+def should_fold(*, length: int, covers: int, keep_recent: int, fold_batch: int,
+                aged_tokens: int | None = None, fold_tokens: int | None = None) -> bool:
+    """Cheap check after a recorded turn: enough messages (or tokens) aged out since the last fold."""
+    aged = length - keep_recent - covers
+    if aged <= 0:
+        return False
+    if aged >= fold_batch:
+        return True
+    return aged_tokens is not None and fold_tokens is not None and aged_tokens >= fold_tokens
+
+
+def fold_target(shape: object, turns: Sequence[Turn], start: int, *, keep_recent: int, fold_batch: int,
+                fold_tokens: int, urgent: bool = False) -> int | None:
+    """The new coverage end for a fold over messages [start, start+len(turns)), or None: no fold now.
+
+    `turns` are the messages after the current summary (`start` = its coverage). Everything but the
+    newest `keep_recent` messages has aged out; a fold is due when those reach `fold_batch` messages
+    or `fold_tokens` tokens, or at once when `urgent` (the hard budget was hit). The end is moved
+    back to a turn start with no tool group split (`context.align_boundary`), so the window the
+    request path keeps always begins with a whole turn.
+    """
+    from gateway.context import align_boundary  # the request path's rule, one definition
+
+    length = start + len(turns)
+    end = length - keep_recent
+    aged = end - start
+    if aged <= 0:
+        return None
+    aged_tokens = sum(t.tokens for t in turns[:aged])
+    if not (urgent or aged >= fold_batch or aged_tokens >= fold_tokens):
+        return None
+    target = align_boundary(shape, [t.raw for t in turns], start, end)  # type: ignore[arg-type]
+    return target if target > start else None
+
+
+# -- chunking ---------------------------------------------------------------------------------
+
+def chunk_turns(turns: Sequence[Turn], budget_tokens: int) -> list[list[Turn]]:
+    """Consecutive groups whose tokens fit `budget_tokens` (a larger single message is its own group)."""
+    chunks: list[list[Turn]] = []
+    current: list[Turn] = []
+    used = 0
+    for turn in turns:
+        if current and used + turn.tokens > budget_tokens:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(turn)
+        used += turn.tokens
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def clip(text: str, max_tokens: int, count: Count) -> str:
+    """The longest prefix of `text` (cut at a word) within max_tokens."""
+    if max_tokens <= 0:
+        return ""
+    if count(text) <= max_tokens:
+        return text
+    lo, hi = 0, len(text)
+    while lo < hi:  # largest prefix length that fits
+        mid = (lo + hi + 1) // 2
+        if count(text[:mid]) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    cut = text[:lo]
+    space = cut.rfind(" ")
+    if space > lo // 2:
+        cut = cut[:space]
+    return cut.rstrip()
+
+
+# -- sections and the cap -----------------------------------------------------------------------
+
+def split_sections(text: str) -> tuple[str, str]:
+    """(earlier, recent) of a summary; a summary without sections is all recent."""
+    stripped = text.strip()
+    if not stripped.startswith(EARLIER):
+        return "", stripped
+    body = stripped[len(EARLIER):]
+    marker = "\n" + RECENT
+    pos = body.find(marker)
+    if pos < 0:
+        return body.strip(), ""
+    return body[:pos].strip(), body[pos + len(marker):].strip()
+
+
+def compose(earlier: str, recent: str) -> str:
+    earlier, recent = earlier.strip(), recent.strip()
+    if not earlier:
+        return recent
+    if not recent:
+        return f"{EARLIER}\n{earlier}"
+    return f"{EARLIER}\n{earlier}\n\n{RECENT}\n{recent}"
+
+
+def _units(text: str, count: Count, max_unit: int) -> list[str]:
+    """Lines of text; an over-long line is split at sentences so the cap can move part of it."""
+    out: list[str] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if count(line) <= max_unit:
+            out.append(line)
+            continue
+        out += [s for s in _sentence_split(line) if s.strip()]
+    return out
+
+
+def _sentence_split(line: str) -> list[str]:
+    return re.split(r"(?<=[.!?])\s+", line)
+
+
+def hard_cap(text: str, max_tokens: int, count: Count) -> str:
+    """Last resort when a compressor overshoots: drop the oldest lines of Earlier, then clip."""
+    if count(text) <= max_tokens:
+        return text
+    earlier, recent = split_sections(text)
+    lines = earlier.splitlines()
+    while lines and count(compose("\n".join(lines), recent)) > max_tokens:
+        lines.pop(0)
+    text = compose("\n".join(lines), recent)
+    return clip(text, max_tokens, count)
+
+
+async def cap_summary(text: str, max_tokens: int, summarizer: Summarizer,
+                      *, recent_share: float = 0.5) -> SummaryResult:
+    """`text` within `max_tokens`: the oldest part is re-compressed into `Earlier:`, never just cut.
+
+    The newest lines (up to `recent_share` of the cap) stay verbatim under `Recent:`; the previous
+    Earlier section plus the older lines are compressed into the new Earlier within what is left.
+    Never returns more than max_tokens (a compressor that overshoots is clipped by `hard_cap`).
+    """
+    count = summarizer.count
+    if count(text) <= max_tokens:
+        return SummaryResult(text)
+    earlier, recent = split_sections(text)
+    units = _units(recent, count, max(1, int(max_tokens * recent_share) // 2))
+    keep: list[str] = []
+    used = 0
+    budget_recent = int(max_tokens * recent_share)
+    for unit in reversed(units):
+        cost = count(unit) + 1
+        if used + cost > budget_recent:
+            break
+        keep.insert(0, unit)
+        used += cost
+    older = units[: len(units) - len(keep)]
+    old_text = "\n".join(([earlier] if earlier else []) + older)
+    overhead = count(f"{EARLIER}\n\n\n{RECENT}\n") + 2
+    earlier_budget = max(1, max_tokens - used - overhead)
+    result = await summarizer.compress(old_text, max_tokens=earlier_budget)
+    capped = hard_cap(compose(result.text, "\n".join(keep)), max_tokens, count)
+    return SummaryResult(capped, result.tokens_in, result.tokens_out)
+
+
+# -- the fold itself ------------------------------------------------------------------------------
+
+async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Turn], start: int, *,
+                       max_tokens: int) -> SummaryResult:
+    """new summary = fold(previous summary, newly aged messages), chunked to the summarizer's budget.
+
+    Only the Recent section is rewritten with the new messages; the cap is applied after each
+    chunk, so no intermediate summary grows without bound either.
+    """
+    text = previous
+    tokens_in = tokens_out = 0
+    # The previous summary rides along in every call: the rest of the budget is for messages.
+    budget = max(256, summarizer.budget_tokens - max_tokens)
+    position = start
+    for chunk in chunk_turns(turns, budget):
+        earlier, recent = split_sections(text)
+        result = await summarizer.summarize(recent, chunk, position, max_tokens=max_tokens)
+        tokens_in += result.tokens_in
+        tokens_out += result.tokens_out
+        capped = await cap_summary(compose(earlier, result.text), max_tokens, summarizer)
+        tokens_in += capped.tokens_in
+        tokens_out += capped.tokens_out
+        text = capped.text
+        position += len(chunk)
+    return SummaryResult(text, tokens_in, tokens_out)

@@ -1,0 +1,346 @@
+"""The project-state ledger: durable facts kept apart from the prose summary.
+
+A summary is rewritten at every fold, and what one fold drops never comes back. The ledger is the
+second line of defence: typed items (goal, constraints, decisions, ...) extracted from the
+conversation, each remembering where it came from. An item replaced by a newer one is marked
+`superseded_by`, not deleted; items set through the API are `edited` and win over extraction.
+
+Pure: no I/O. `extract` is the local (pattern) extractor; the llm summarizer proposes updates
+as `StateUpdate` JSON and `apply_update` merges them under the same rules.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.model import Turn
+
+Kind = Literal["goal", "architecture", "tech_stack", "decisions", "constraints", "preferences",
+               "open_tasks", "facts"]
+KINDS: tuple[Kind, ...] = ("goal", "architecture", "tech_stack", "decisions", "constraints", "preferences",
+                           "open_tasks", "facts")
+# Rendering order: what a model most needs to stay on track comes first, so a tight budget cuts
+# the least important kinds.
+RENDER_ORDER: tuple[Kind, ...] = ("goal", "constraints", "decisions", "tech_stack", "architecture",
+                                  "preferences", "open_tasks", "facts")
+TITLES: dict[Kind, str] = {
+    "goal": "Goal", "architecture": "Architecture", "tech_stack": "Tech stack", "decisions": "Decisions",
+    "constraints": "Constraints", "preferences": "Preferences", "open_tasks": "Open tasks", "facts": "Facts",
+}
+# The ledger lives in one Redis value read on every request: bound it. Superseded items go first.
+MAX_ITEMS = 200
+
+
+class Item(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    text: str
+    source: int | None = None  # index of the message it came from (None: set via the API)
+    time: str | None = None  # ISO 8601 of the source message, or of the edit
+    superseded_by: str | None = None
+    edited: bool = False
+
+
+class Ledger(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    goal: list[Item] = Field(default_factory=list)
+    architecture: list[Item] = Field(default_factory=list)
+    tech_stack: list[Item] = Field(default_factory=list)
+    decisions: list[Item] = Field(default_factory=list)
+    constraints: list[Item] = Field(default_factory=list)
+    preferences: list[Item] = Field(default_factory=list)
+    open_tasks: list[Item] = Field(default_factory=list)
+    facts: list[Item] = Field(default_factory=list)
+    seq: int = 0  # last item id issued: ids stay unique across supersessions and pruning
+
+    def items(self, kind: Kind) -> list[Item]:
+        return getattr(self, kind)  # type: ignore[no-any-return]
+
+    def active(self, kind: Kind) -> list[Item]:
+        return [i for i in self.items(kind) if i.superseded_by is None]
+
+    def all_items(self) -> Iterable[tuple[Kind, Item]]:
+        for kind in KINDS:
+            for item in self.items(kind):
+                yield kind, item
+
+    def dump(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+# -- the update format the llm summarizer answers in (validated; invalid → extractive fallback) --
+
+class ProposedItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    kind: Kind
+    text: str = Field(min_length=1, max_length=1000)
+    source: int | None = None
+    replaces: str | None = None  # id of the item this one supersedes
+
+
+class StateUpdate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    items: list[ProposedItem] = Field(default_factory=list)
+
+
+# -- merging --------------------------------------------------------------------------------
+
+_WORD = re.compile(r"[a-z0-9]+")
+# Tokens that carry a value: a changed number or identifier means an update, not a duplicate.
+_VALUE = re.compile(r"\d[\w.:/-]*|[\w.-]*/[\w./-]+|[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b|\b[A-Z][a-z]+[A-Z]\w*")
+
+
+def _words(text: str) -> set[str]:
+    return set(_WORD.findall(text.lower()))
+
+
+def _values(text: str) -> set[str]:
+    return {v.lower().rstrip(".") for v in _VALUE.findall(text)}
+
+
+def _similar(a: str, b: str, threshold: float = 0.6) -> bool:
+    wa, wb = _words(a), _words(b)
+    if not wa or not wb:
+        return False
+    return len(wa & wb) / len(wa | wb) >= threshold
+
+
+def is_duplicate(new: str, old: str) -> bool:
+    """Same statement: similar words and no value the old one lacks."""
+    return _similar(new, old, 0.85) and _values(new) <= _values(old)
+
+
+def is_update(new: str, old: str) -> bool:
+    """The same statement with a changed number or path (port 8443 → 9443): the newer one replaces it.
+
+    A changed name or identifier ("a helper called a_safe" vs "b_safe") is a second statement.
+    """
+    vn, vo = _values(new), _values(old)
+    if not vn or not vo or vn == vo or not _similar(new, old, 0.6):
+        return False
+    return all(v[0].isdigit() or "/" in v for v in vn ^ vo)
+
+
+def _next_id(ledger: Ledger) -> str:
+    ledger.seq += 1
+    return f"s{ledger.seq}"
+
+
+def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time: str | None,
+             replaces: str | None = None, edited: bool = False) -> Item | None:
+    """Add one item under the ledger's rules; returns it, or None when it adds nothing new.
+
+    Extraction (edited=False) never duplicates nor supersedes an edited item. A near-identical
+    statement with a changed value supersedes the older one; `replaces` names one explicitly.
+    `goal` holds one active item: a new goal supersedes the previous extracted one.
+    """
+    text = " ".join(text.split())
+    if not text:
+        return None
+    existing = ledger.active(kind)
+    for old in existing:
+        if is_duplicate(text, old.text) and (old.edited or not edited):
+            return None
+    item = Item(id=_next_id(ledger), text=text, source=source, time=time, edited=edited)
+    targets: list[Item] = []
+    if replaces:
+        targets += [i for _, i in ledger.all_items() if i.id == replaces and i.superseded_by is None]
+    targets += [old for old in existing if is_update(text, old.text)]
+    if kind == "goal":
+        targets += existing
+    for old in targets:
+        if old.edited and not edited:
+            continue  # an edit wins over anything extracted later
+        old.superseded_by = item.id
+    ledger.items(kind).append(item)
+    _prune(ledger)
+    return item
+
+
+def supersede_mentions(ledger: Ledger, term: str, by: str) -> None:
+    """Mark active extracted items mentioning `term` as replaced ("switch from Flask to FastAPI")."""
+    pat = re.compile(rf"(?<!\w){re.escape(term)}(?!\w)", re.IGNORECASE)
+    for _, item in ledger.all_items():
+        if item.id != by and item.superseded_by is None and not item.edited and pat.search(item.text):
+            item.superseded_by = by
+
+
+def _prune(ledger: Ledger) -> None:
+    total = sum(len(ledger.items(k)) for k in KINDS)
+    if total <= MAX_ITEMS:
+        return
+    # Oldest superseded first, then oldest extracted; edited items are kept.
+    order = sorted(((item.superseded_by is None, item.edited, int(item.id[1:]), kind, item)
+                    for kind, item in ledger.all_items()), key=lambda t: t[:3])
+    drop = {id(t[4]) for t in order[: total - MAX_ITEMS] if not t[1]}
+    for kind in KINDS:
+        setattr(ledger, kind, [i for i in ledger.items(kind) if id(i) not in drop])
+
+
+def apply_update(ledger: Ledger, update: StateUpdate, *, time: str | None = None) -> Ledger:
+    """Merge an llm-proposed update into a copy of `ledger`."""
+    out = ledger.model_copy(deep=True)
+    for p in update.items:
+        add_item(out, p.kind, p.text, source=p.source, time=time, replaces=p.replaces)
+    return out
+
+
+def apply_edits(ledger: Ledger, edits: dict[str, list[str] | str], *, time: str | None) -> Ledger:
+    """Set kinds through the API: the given texts replace that kind's active items and are `edited`."""
+    out = ledger.model_copy(deep=True)
+    for kind, texts in edits.items():
+        if kind not in KINDS:
+            raise ValueError(f"unknown state kind {kind!r}; one of {', '.join(KINDS)}")
+        k: Kind = kind  # type: ignore[assignment]
+        previous = out.active(k)
+        values = [texts] if isinstance(texts, str) else list(texts)
+        new_ids = []
+        for text in values:
+            item = add_item(out, k, text, source=None, time=time, edited=True)
+            if item is not None:
+                new_ids.append(item.id)
+        for old in previous:
+            if old.superseded_by is None and old.id not in new_ids:
+                old.superseded_by = new_ids[0] if new_ids else "edit"
+    return out
+
+
+# -- extractive (pattern) extraction ---------------------------------------------------------
+
+_I = re.IGNORECASE
+_GOAL = re.compile(r"\b(?:the|our|my)\s+(?:main\s+|overall\s+|end\s+|primary\s+)?(?:goal|aim|objective)\s+is\b"
+                   r"|\bwe(?:'re| are)\s+(?:trying|aiming)\s+to\b|\bI(?:'m| am)\s+(?:trying|aiming)\s+to\s+build\b", _I)
+_DECISION = re.compile(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
+                       r"|\bwe(?:'ll| will)\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
+                       r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bdecision\s*:|\bI(?:'ve| have)?\s+decided\b", _I)
+_CONSTRAINT = re.compile(r"\b(?:must(?:\s+not)?|mustn't|cannot|can't|never|always|is\s+required|are\s+required"
+                         r"|no\s+more\s+than|at\s+most|at\s+least|not\s+allowed|has\s+to|have\s+to)\b", _I)
+_PREFERENCE = re.compile(r"\bI\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\bI(?:'d| would)\s+(?:like|rather)\b"
+                         r"|\bplease\s+(?:always|never|keep|use|avoid)\b", _I)
+_TASK = re.compile(r"\bTODO\b|\bwe\s+(?:still\s+)?need\s+to\b|\bnext,?\s+(?:we|I)\s+(?:should|need|will)\b"
+                   r"|\bdon't\s+forget\s+to\b|\bremaining\s*:|\bopen\s+task\b", re.IGNORECASE)
+_STACK = re.compile(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
+                    r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", _I)
+_ARCH = re.compile(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
+                   r"|\b(?:service|component)s?\s+(?:talks?|communicates?|calls?)\b", _I)
+_NAME = re.compile(r"\b(?i:my\s+name\s+is|call\s+me|I\s+am\s+called)\s+([A-Z][\w'-]+(?:\s+[A-Z][\w'-]+)?)"
+                   r"|\bI'm\s+([A-Z][a-z'-]+(?:\s+[A-Z][a-z'-]+)?)\b(?=[,.!]|\s+(?:and|from|here))")
+_TECH = re.compile(r"\b(?:python|fastapi|django|flask|postgres(?:ql)?|mysql|sqlite|redis|kafka|rabbitmq|react"
+                   r"|vue|svelte|angular|typescript|javascript|node(?:\.js)?|rust|golang|java|kotlin|swift"
+                   r"|docker|kubernetes|k8s|terraform|aws|gcp|azure|graphql|grpc|mongodb|elasticsearch"
+                   r"|nginx|celery|aiohttp|pydantic|pytest|next\.js|tailwind)\b", _I)
+_FACT_VALUE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"
+                         r"|\bhttps?://\S+|\b[A-Z][A-Z0-9]+-\d+\b", _I)
+_SUPERSEDE = re.compile(r"\binstead\s+of\s+([\w.+#-]+)|\bswitch(?:ed|ing)?\s+from\s+([\w.+#-]+)\s+to\b"
+                        r"|\bno\s+longer\s+(?:use|using|need)\s+([\w.+#-]+)|\breplac(?:e|ed|ing)\s+([\w.+#-]+)\s+with\b"
+                        r"|\bdrop(?:ped|ping)?\s+([\w.+#-]+)\s+in\s+favou?r\s+of\b", _I)
+_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[])|\n+")
+_CODE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
+
+
+def sentences(text: str) -> list[str]:
+    """Prose sentences of a message; fenced code is left out (it restates, it does not decide)."""
+    text = _CODE.sub("\n", text)
+    out = []
+    for s in _SENTENCE.split(text):
+        s = s.strip(" \t-*#>")
+        if len(s) >= 3:
+            out.append(s)
+    return out
+
+
+def classify(sentence: str, role: str) -> Kind | None:
+    """Which ledger kind a sentence states, if any. Users set goals, rules and tastes; both sides decide."""
+    user = role == "user"
+    if user and _GOAL.search(sentence):
+        return "goal"
+    if _DECISION.search(sentence) and (user or re.search(r"\bwe\b|\blet's\b|decision", sentence, _I)):
+        return "decisions"
+    if user and _NAME.search(sentence):
+        return "facts"
+    if user and _CONSTRAINT.search(sentence):
+        return "constraints"
+    if user and _PREFERENCE.search(sentence):
+        return "preferences"
+    if (user and _TASK.search(sentence)) or re.search(r"\bTODO\b", sentence):
+        return "open_tasks"
+    if _STACK.search(sentence) and _TECH.search(sentence):
+        return "tech_stack"
+    if user and _ARCH.search(sentence):
+        return "architecture"
+    if user and _FACT_VALUE.search(sentence):
+        return "facts"
+    return None
+
+
+def _clip(text: str, words: int = 60) -> str:
+    parts = text.split()
+    return text if len(parts) <= words else " ".join(parts[:words]) + " …"
+
+
+def extract(ledger: Ledger, turns: Sequence[Turn], start: int, *, now: str | None = None) -> Ledger:
+    """A copy of `ledger` updated from messages [start, start+len(turns)) by patterns alone."""
+    out = ledger.model_copy(deep=True)
+    for i, turn in enumerate(turns):
+        if turn.role not in ("user", "assistant"):
+            continue  # tool output and system text are not statements of the people working
+        for sentence in sentences(turn.text):
+            kind = classify(sentence, turn.role)
+            if kind is None:
+                continue
+            item = add_item(out, kind, _clip(sentence), source=start + i, time=turn.time or now)
+            if item is None:
+                continue
+            for m in _SUPERSEDE.finditer(sentence):
+                term = next(g for g in m.groups() if g)
+                supersede_mentions(out, term, item.id)
+    return out
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> str:
+    """The ledger as text within `budget_tokens`: most important kinds first, newest first within a kind.
+
+    Deterministic (same ledger, same bytes): the block sits in the provider's cached prefix.
+    Superseded items are left out. Items that do not fit are skipped, smaller later ones may fit.
+    """
+    if budget_tokens <= 0:
+        return ""
+    lines: list[str] = []
+    used = 0
+    for kind in RENDER_ORDER:
+        items = sorted(ledger.active(kind), key=lambda i: (i.source if i.source is not None else 1 << 60,
+                                                           int(i.id[1:]) if i.id[1:].isdigit() else 0),
+                       reverse=True)
+        if not items:
+            continue
+        header = f"{TITLES[kind]}:"
+        header_cost = count(header) + 1
+        section: list[str] = []
+        for item in items:
+            if budget_tokens - used < 4:
+                break  # nothing more fits: no need to count the rest
+            line = f"- {item.text}"
+            cost = count(line) + 1
+            extra = cost + (0 if section else header_cost)
+            if used + extra > budget_tokens:
+                continue
+            if not section:
+                section.append(header)
+            section.append(line)
+            used += extra
+        lines += section
+    return "\n".join(lines)
+
+
+def load(data: dict | None) -> Ledger:
+    return Ledger.model_validate(data) if data else Ledger()

@@ -1,0 +1,362 @@
+"""Summarizers: `extractive` (local, no model call) and `llm` (through a configured upstream).
+
+Both implement `fold.Summarizer` (summarize, compress) plus `update_state` for the project-state
+ledger, and report the tokens they spent. The llm summarizer uses the gateway's OWN credential
+(`upstreams.<name>.api_key`): folds run in the background, long after the client's request, and
+a client's credential is never stored to make that possible.
+
+`build_summarizer(settings, count)` picks the mode (`Settings.summarizer_mode()`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import aiohttp
+import orjson
+from pydantic import ValidationError
+
+from gateway import state
+from gateway.config import Settings, UpstreamSettings
+from gateway.fold import Count, SummaryResult, clip
+from gateway.logs import get_logger
+from gateway.model import Turn
+
+log = get_logger("gateway.summarizer")
+
+
+class SummarizerError(Exception):
+    """The summarizer could not produce a result (upstream error, bad answer); the fold is retried."""
+
+
+# -- extractive --------------------------------------------------------------------------------
+
+_I = re.IGNORECASE
+_CHATTER = re.compile(
+    r"^(?:hi|hello|hey|thanks|thank you|thx|great|ok|okay|sure|sounds good|got it|cool|perfect|awesome|nice"
+    r"|no problem|you're welcome|glad|happy to help|good (?:morning|afternoon|evening)|bye|cheers|yes|no"
+    r"|absolutely|of course|certainly|alright|right|understood|makes sense|i see|hope this helps"
+    r"|let me know|feel free|does that help|anything else)\b", _I)
+_DURABLE = re.compile(
+    r"\b(?:decided|decision|chose|chosen|agreed|settled on|will use|we'll use|going with|let's use|go with"
+    r"|must|mustn't|cannot|can't|never|always|required|requirement|not allowed|at most|at least|no more than"
+    r"|prefer|preference|the goal|goal is|deadline|due|my name is|call me|i'm called|lives? at|located"
+    r"|is stored|stored in|listens? on|runs on|named|called|ticket|constraint|policy|important|pinned|pin"
+    r"|deprecated|replaced|instead of|switched)\b", _I)
+# "The X is Y" with a concrete value defines a fact.
+_DEFINITION = re.compile(r"\b(?:the|our|my)\s+[\w -]{1,40}?\s+(?:is|are|was|will be)\b", _I)
+# Progress reports are true once and then stale: a weaker claim on the summary's space.
+_TRANSIENT = re.compile(
+    r"\b(?:i(?:'ve| have)? (?:added|fixed|updated|changed|ran|refactored|tried|looked|moved|renamed|removed"
+    r"|cleaned|checked)|now passes|tests? pass(?:es)?|let me|i'll|here(?:'s| is) (?:the|an?)|sure,)\b", _I)
+_SIGNALS: tuple[tuple[re.Pattern[str], float], ...] = (
+    (re.compile(r"\b\d{4}-\d{2}-\d{2}\b|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\.?\s+\d{1,2}"
+                r"(?:st|nd|rd|th)?\b|\b(?:monday|tuesday|wednesday|thursday|friday|saturday|sunday)s?\b", _I), 1.5),
+    (re.compile(r"\bv?\d+\.\d+(?:\.\d+)+\b|\bversion\s+\d+"), 1.5),  # versions
+    (re.compile(r"(?:^|[\s(\"'`])(?:~|\.{0,2})/[\w.-]+(?:/[\w.-]+)*|\b[\w-]+/[\w.-]+\.\w{1,5}\b|\b[\w-]+\.(?:py|js|ts|go|rs|"
+                r"yaml|yml|json|toml|md|sql|sh|cfg|ini|txt|html|css)\b"), 1.5),  # paths and file names
+    (re.compile(r"\bhttps?://\S+"), 1.5),
+    (re.compile(r"\b[A-Z][A-Z0-9]+-\d+\b"), 1.5),  # ticket / issue ids
+    (re.compile(r"\b[a-z][a-z0-9]+(?:_[a-z0-9]+)+\b|\b[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+\b"), 1.0),  # identifiers
+    (re.compile(r"\bport\s+\d+|:\d{2,5}\b"), 1.5),
+    (re.compile(r"\b\d+(?:[.,]\d+)?\s*(?:%|ms|s|kb|mb|gb|tb|usd|\$|eur|k|m|seconds|minutes|hours|days|weeks"
+                r"|requests|users|rps|tokens)?\b", _I), 0.5),
+    (re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]{2,}(?:\s+[A-Z][a-z]{2,})*"), 0.5),  # names mid-sentence
+)
+_WORD = re.compile(r"[a-z0-9]+")
+_SPEAKER = re.compile(r"^(user|assistant|tool|system|developer):\s*")
+_VALUES = re.compile(r"\d[\w.:/-]*|[\w.-]*/[\w./-]+|[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b")
+
+
+@lru_cache(maxsize=8192)
+def score(sentence: str, role: str = "user") -> float:
+    """How much a sentence is worth keeping: durable statements and concrete values score high."""
+    body = _SPEAKER.sub("", sentence)
+    words = body.split()
+    if not words:
+        return 0.0
+    s = 0.0
+    for pattern, weight in _SIGNALS:
+        if pattern.search(body):
+            s += weight
+    if _DURABLE.search(body):
+        s += 3.0
+    elif s >= 1.0 and _DEFINITION.search(body):
+        s += 2.0
+    if _TRANSIENT.search(body):
+        s -= 1.0
+    if _CHATTER.match(body) and len(words) < 10 and s < 2:
+        return 0.0
+    if role == "user" and s > 0:
+        s += 0.5  # the user states requirements; the assistant mostly restates them
+    return max(s, 0.0)
+
+
+@lru_cache(maxsize=8192)
+def _signature(line: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(words, values) of a line, cached: dedupe compares every new line with every kept one."""
+    body = _SPEAKER.sub("", line)
+    return (frozenset(_WORD.findall(body.lower())),
+            frozenset(v.rstrip(".,;:!?") for v in _VALUES.findall(body)))
+
+
+def near_duplicate(new: str, old: str, threshold: float = 0.7) -> bool:
+    """Same sentence give or take filler, and no value (number, id, path) the old one lacks."""
+    (a, va), (b, vb) = _signature(new), _signature(old)
+    if not a or not b:
+        return False
+    if len(a & b) / len(a | b) < threshold:
+        return False
+    return va <= vb
+
+
+def extract_lines(turns: Sequence[Turn], *, per_turn: int = 4, max_words: int = 60) -> list[tuple[float, str]]:
+    """(score, "speaker: sentence") of the sentences worth keeping, in conversation order."""
+    out: list[tuple[float, str]] = []
+    for turn in turns:
+        role = turn.role if turn.role in ("user", "assistant", "tool") else "system"
+        candidates: list[tuple[float, int, str]] = []
+        for i, sentence in enumerate(state.sentences(turn.text)):
+            sc = score(sentence, role)
+            if sc < 1.0:
+                continue
+            words = sentence.split()
+            if len(words) > max_words:
+                sentence = " ".join(words[:max_words]) + " …"
+            candidates.append((sc, i, sentence))
+        # A long message must not flood the summary: its best few sentences, in their order.
+        best = sorted(sorted(candidates, key=lambda c: -c[0])[:per_turn], key=lambda c: c[1])
+        out += [(sc, f"{role}: {sentence}") for sc, _, sentence in best]
+    return out
+
+
+def select_lines(lines: Sequence[str], max_tokens: int, count: Count) -> list[str]:
+    """The highest-scoring lines that fit, kept in their original order; newer wins a tie."""
+    ranked = sorted(range(len(lines)), key=lambda i: (-score(lines[i], _role_of(lines[i])), -i))
+    chosen: set[int] = set()
+    used = 0
+    for i in ranked:
+        cost = count(lines[i]) + 1
+        if used + cost <= max_tokens:
+            chosen.add(i)
+            used += cost
+    return [lines[i] for i in sorted(chosen)]
+
+
+def _role_of(line: str) -> str:
+    m = _SPEAKER.match(line)
+    return m.group(1) if m else "user"
+
+
+def dedupe(lines: Sequence[str]) -> list[str]:
+    """Drop lines that restate an earlier kept line (the first statement of a fact carries it)."""
+    kept: list[str] = []
+    for line in lines:
+        if not any(near_duplicate(line, k) for k in kept):
+            kept.append(line)
+    return kept
+
+
+def extractive_summary(messages: Sequence[tuple[str, str]], max_tokens: int, count: Count) -> str:
+    """One-shot extractive summary of (role, text) messages within max_tokens (eval baselines)."""
+    turns = [Turn(raw={}, role=role, text=text, tokens=0, hash="") for role, text in messages]
+    lines = dedupe([line for _, line in extract_lines(turns)])
+    return "\n".join(select_lines(lines, max_tokens, count))
+
+
+class ExtractiveSummarizer:
+    """Local summarizer: keeps the sentences that carry facts, each prefixed by its speaker."""
+
+    name = "extractive"
+
+    def __init__(self, count: Count, *, budget_tokens: int = 1_000_000) -> None:
+        self.count = count
+        self.budget_tokens = budget_tokens  # no model context to respect: one chunk
+
+    async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
+                        max_tokens: int) -> SummaryResult:
+        old = [ln for ln in previous.splitlines() if ln.strip()]
+        new = [line for _, line in extract_lines(turns)]
+        kept = list(old)
+        for line in new:
+            if not any(near_duplicate(line, k) for k in kept):
+                kept.append(line)
+        # The cap (fold.cap_summary) decides what moves to Earlier; here nothing is lost.
+        return SummaryResult("\n".join(kept))
+
+    async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
+        lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
+        return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
+
+    async def update_state(self, ledger: state.Ledger, turns: Sequence[Turn], start: int, *,
+                           now: str | None = None) -> tuple[state.Ledger, int, int]:
+        return state.extract(ledger, turns, start, now=now), 0, 0
+
+    async def close(self) -> None:
+        return None
+
+
+# -- llm -------------------------------------------------------------------------------------------
+
+SUMMARY_PROMPT = """You maintain the running summary of a long conversation between a user and an AI assistant.
+You receive the previous summary and the messages that came after it. Write the updated summary.
+
+Rules:
+- Carry every durable fact from the previous summary forward VERBATIM (names, numbers, ports, paths,
+  URLs, versions, identifiers, dates, decisions, constraints, preferences), unless a newer message
+  changes it: then state the new value (and that it replaced the old one).
+- Add what the new messages establish: decisions, constraints, facts, open tasks, results.
+- Leave out greetings, thanks, filler and reasoning that led nowhere.
+- One fact per line, prefixed "user:" or "assistant:" for who said it when it matters.
+- At most {max_tokens} tokens. Answer with the summary only."""
+
+COMPRESS_PROMPT = """Compress this conversation summary into a shorter, higher-level summary of at most {max_tokens}
+tokens. Keep durable facts VERBATIM (names, numbers, ports, paths, URLs, versions, identifiers, dates,
+decisions, constraints, preferences); drop transient detail first. Answer with the summary only."""
+
+STATE_PROMPT = """You maintain a project-state ledger for a conversation. Kinds: goal, architecture, tech_stack,
+decisions, constraints, preferences, open_tasks, facts. Given the current items and new messages
+(each prefixed by its index), answer with JSON only:
+{"items": [{"kind": "<kind>", "text": "<one durable statement, verbatim values>", "source": <message index>,
+            "replaces": "<id of the current item this one makes obsolete, or null>"}]}
+List only NEW or CHANGED items; an empty list when nothing durable was said."""
+
+
+def transcript(turns: Sequence[Turn], start: int, count: Count, *, per_message_tokens: int = 2000,
+               tool_tokens: int = 300) -> str:
+    """The messages as `[index] role: text` lines; tool output is clipped harder (verbose, rarely durable)."""
+    lines = []
+    for i, turn in enumerate(turns):
+        limit = tool_tokens if turn.role == "tool" else per_message_tokens
+        text = clip(" ".join(turn.text.split()), limit, count) if turn.tokens > limit else turn.text
+        lines.append(f"[{start + i}] {turn.role}: {text}")
+    return "\n".join(lines)
+
+
+class LlmSummarizer:
+    """Summaries through the configured upstream with the gateway's own key.
+
+    OpenAI: `POST {base_url}/chat/completions` with `Authorization: Bearer`; Anthropic:
+    `POST {base_url}/v1/messages` with `x-api-key` and `anthropic-version: 2023-06-01`.
+    """
+
+    name = "llm"
+
+    def __init__(self, upstream_name: str, upstream: UpstreamSettings, *, model: str, max_tokens: int,
+                 count: Count, budget_tokens: int, session: aiohttp.ClientSession | None = None) -> None:
+        if not upstream.api_key:
+            raise ValueError(f"the llm summarizer needs upstreams.{upstream_name}.api_key (the gateway's own key)")
+        self.upstream_name = upstream_name
+        self.upstream = upstream
+        self.model = model
+        self.max_tokens = max_tokens
+        self.count = count
+        self.budget_tokens = budget_tokens
+        self._session = session
+        self._own_session = session is None
+        self._fallback = ExtractiveSummarizer(count)
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            u = self.upstream
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=u.total_timeout, sock_connect=u.connect_timeout, sock_read=u.read_timeout))
+            self._own_session = True
+        return self._session
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def complete(self, system: str, user: str, *, max_tokens: int, json_mode: bool = False) -> SummaryResult:
+        """One completion: (text, input tokens, output tokens) from the provider's usage."""
+        u = self.upstream
+        assert u.api_key
+        if self.upstream_name == "anthropic":
+            url = f"{u.base_url}/v1/messages"
+            headers = {"x-api-key": u.api_key, "anthropic-version": "2023-06-01", "content-type": "application/json"}
+            body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "system": system,
+                                    "messages": [{"role": "user", "content": user}]}
+        else:
+            url = f"{u.base_url}/chat/completions"
+            headers = {"Authorization": f"Bearer {u.api_key}", "content-type": "application/json"}
+            body = {"model": self.model, "max_tokens": max_tokens,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+            if json_mode:
+                body["response_format"] = {"type": "json_object"}
+        try:
+            async with self._client().post(url, data=orjson.dumps(body), headers=headers) as resp:
+                raw = await resp.read()
+                if resp.status >= 400:
+                    raise SummarizerError(f"summarizer upstream answered {resp.status}")
+            data = orjson.loads(raw)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            raise SummarizerError(f"summarizer upstream failed: {type(exc).__name__}") from exc
+        try:
+            if self.upstream_name == "anthropic":
+                text = "".join(b.get("text", "") for b in data["content"] if b.get("type") == "text")
+                usage = data.get("usage") or {}
+                tin, tout = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
+            else:
+                text = data["choices"][0]["message"]["content"] or ""
+                usage = data.get("usage") or {}
+                tin, tout = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise SummarizerError("summarizer upstream answered an unexpected shape") from exc
+        return SummaryResult(text.strip(), tin, tout)
+
+    async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
+                        max_tokens: int) -> SummaryResult:
+        budget = min(self.max_tokens, max_tokens)
+        user = (f"Previous summary:\n{previous or '(none yet)'}\n\n"
+                f"New messages:\n{transcript(turns, start, self.count)}")
+        result = await self.complete(SUMMARY_PROMPT.format(max_tokens=budget), user, max_tokens=budget)
+        if not result.text:
+            raise SummarizerError("summarizer upstream answered an empty summary")
+        return result
+
+    async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
+        budget = max(16, min(self.max_tokens, max_tokens))
+        return await self.complete(COMPRESS_PROMPT.format(max_tokens=budget), text, max_tokens=budget)
+
+    async def update_state(self, ledger: state.Ledger, turns: Sequence[Turn], start: int, *,
+                           now: str | None = None) -> tuple[state.Ledger, int, int]:
+        """Ledger updates in JSON mode, validated; an invalid answer falls back to pattern extraction."""
+        current = "\n".join(f"{item.id} [{kind}] {item.text}" for kind, item in ledger.all_items()
+                            if item.superseded_by is None) or "(empty)"
+        user = f"Current items:\n{current}\n\nNew messages:\n{transcript(turns, start, self.count)}"
+        result = await self.complete(STATE_PROMPT, user, max_tokens=self.max_tokens, json_mode=True)
+        try:
+            update = state.StateUpdate.model_validate(orjson.loads(_json_body(result.text)))
+        except (orjson.JSONDecodeError, ValidationError):
+            log.info("summarizer.state_fallback", reason="invalid JSON from the summarizer")
+            fallback, _, _ = await self._fallback.update_state(ledger, turns, start, now=now)
+            return fallback, result.tokens_in, result.tokens_out
+        return state.apply_update(ledger, update, time=now), result.tokens_in, result.tokens_out
+
+
+def _json_body(text: str) -> str:
+    """The JSON object in an answer (models without a JSON mode wrap it in prose or fences)."""
+    start, end = text.find("{"), text.rfind("}")
+    return text[start:end + 1] if 0 <= start < end else text
+
+
+Summarizer = ExtractiveSummarizer | LlmSummarizer
+
+
+def build_summarizer(settings: Settings, count: Count, *, session: aiohttp.ClientSession | None = None,
+                     mode: str | None = None) -> Summarizer:
+    """The summarizer the settings ask for (`mode` overrides, e.g. `gateway eval --summarizer`)."""
+    chosen = mode or settings.summarizer_mode()
+    if chosen == "extractive":
+        return ExtractiveSummarizer(count)
+    cfg = settings.memory.summarizer
+    # Leave room for the prompt, the previous summary and the answer within the model's window.
+    window = settings.model(cfg.model).context_window
+    budget = max(1024, min(32_000, window // 2))
+    return LlmSummarizer(cfg.upstream, settings.upstreams[cfg.upstream], model=cfg.model,
+                         max_tokens=cfg.max_tokens, count=count, budget_tokens=budget, session=session)

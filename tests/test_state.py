@@ -1,0 +1,141 @@
+"""The project-state ledger: extraction, supersession, edits, rendering (pure, no Redis)."""
+
+from __future__ import annotations
+
+from gateway import state
+from gateway.model import Turn
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def turn(role: str, text: str, time: str | None = None) -> Turn:
+    return Turn(raw={"role": role, "content": text}, role=role, text=text, tokens=words(text), hash="00",
+                time=time)
+
+
+def test_extract_kinds_from_opening_messages() -> None:
+    """Goal, constraints, decisions, preferences, stack, tasks and facts are recognised by pattern."""
+    turns = [
+        turn("user", "Hi! My name is Priya Raman. The goal is a billing service for the Orion shop."),
+        turn("assistant", "Happy to help. What stack do you have in mind?"),
+        turn("user", "Stack: Python 3.12 with FastAPI and PostgreSQL. We must keep p99 latency under 200 ms. "
+                     "I prefer small pull requests. TODO write the migration script."),
+        turn("assistant", "We decided to use Alembic for migrations. The config lives at /etc/orion/app.yaml."),
+        turn("user", "The launch date is 2024-11-18."),
+    ]
+    ledger = state.extract(state.Ledger(), turns, 0, now="2024-01-01T00:00:00+00:00")
+    texts = {kind: [i.text for i in ledger.active(kind)] for kind in state.KINDS}
+    assert any("billing service" in t for t in texts["goal"])
+    assert any("p99 latency" in t for t in texts["constraints"])
+    assert any("Alembic" in t for t in texts["decisions"])
+    assert any("small pull requests" in t for t in texts["preferences"])
+    assert any("FastAPI" in t for t in texts["tech_stack"])
+    assert any("migration script" in t for t in texts["open_tasks"])
+    assert any("Priya Raman" in t for t in texts["facts"])
+    assert any("2024-11-18" in t for t in texts["facts"])
+    assert all(i.source is not None for _, i in ledger.all_items())
+    assert "Happy to help" not in " ".join(i.text for _, i in ledger.all_items())
+
+
+def test_items_record_source_index_and_time() -> None:
+    """Each item remembers the index and time of the message it came from."""
+    turns = [turn("user", "hello"), turn("user", "We must never log card numbers.", time="2024-05-01T10:00:00")]
+    ledger = state.extract(state.Ledger(), turns, 40)
+    (item,) = ledger.active("constraints")
+    assert item.source == 41 and item.time == "2024-05-01T10:00:00"
+
+
+def test_changed_value_supersedes_not_deletes() -> None:
+    """A restated fact with a new value marks the old item superseded and keeps it."""
+    ledger = state.extract(state.Ledger(), [turn("user", "The API server must listen on port 8443.")], 0)
+    ledger = state.extract(ledger, [turn("user", "The API server must listen on port 9443.")], 5)
+    items = ledger.constraints
+    assert len(items) == 2
+    old, new = items
+    assert old.superseded_by == new.id and new.superseded_by is None
+    assert [i.text for i in ledger.active("constraints")] == ["The API server must listen on port 9443."]
+
+
+def test_switch_from_supersedes_mentions() -> None:
+    """"switch from X to Y" supersedes earlier items that mention X."""
+    ledger = state.extract(state.Ledger(), [turn("user", "We decided to use Flask for the web layer.")], 0)
+    ledger = state.extract(ledger, [turn("user", "We decided to switch from Flask to FastAPI.")], 9)
+    active = [i.text for i in ledger.active("decisions")]
+    assert active == ["We decided to switch from Flask to FastAPI."]
+    assert ledger.decisions[0].superseded_by == ledger.decisions[1].id
+
+
+def test_duplicates_are_not_added_twice() -> None:
+    """Restating the same fact adds nothing."""
+    t = turn("user", "We must keep p99 latency under 200 ms.")
+    ledger = state.extract(state.Ledger(), [t], 0)
+    again = state.extract(ledger, [turn("user", "We must keep the p99 latency under 200 ms.")], 3)
+    assert again == ledger
+
+
+def test_edits_win_over_extraction() -> None:
+    """Items set via the API are never superseded nor duplicated by later extraction."""
+    ledger = state.apply_edits(state.Ledger(), {"constraints": ["The API server must listen on port 8443."]},
+                               time="t")
+    ledger = state.extract(ledger, [turn("user", "The API server must listen on port 9443."),
+                                    turn("user", "The API server must listen on port 8443.")], 2)
+    edited = [i for i in ledger.constraints if i.edited]
+    assert len(edited) == 1 and edited[0].superseded_by is None
+    assert sum("8443" in i.text for i in ledger.constraints) == 1
+
+
+def test_apply_edits_replaces_a_kind() -> None:
+    """A PUT of a kind supersedes that kind's previous active items."""
+    ledger = state.extract(state.Ledger(), [turn("user", "The goal is a CLI for backups.")], 0)
+    ledger = state.apply_edits(ledger, {"goal": "The goal is a backup service with a web UI."}, time="t")
+    assert [i.text for i in ledger.active("goal")] == ["The goal is a backup service with a web UI."]
+    assert len(ledger.goal) == 2
+
+
+def test_llm_update_applies_with_replaces() -> None:
+    """A validated llm update adds items and supersedes the one it names."""
+    ledger = state.extract(state.Ledger(), [turn("user", "We decided to use MySQL.")], 0)
+    old = ledger.decisions[0]
+    update = state.StateUpdate.model_validate({"items": [
+        {"kind": "decisions", "text": "Use PostgreSQL 16 instead of MySQL", "source": 7, "replaces": old.id}]})
+    out = state.apply_update(ledger, update)
+    assert [i.text for i in out.active("decisions")] == ["Use PostgreSQL 16 instead of MySQL"]
+    assert ledger.decisions[0].superseded_by is None  # the input is not mutated
+
+
+def test_render_order_budget_and_determinism() -> None:
+    """Render puts goal and constraints first, newest first, leaves superseded out, fits its budget, same bytes."""
+    ledger = state.Ledger()
+    state.add_item(ledger, "facts", "The office is in Lyon.", source=1, time=None)
+    state.add_item(ledger, "constraints", "Never deploy on Fridays.", source=2, time=None)
+    state.add_item(ledger, "goal", "The goal is a billing service.", source=3, time=None)
+    state.add_item(ledger, "constraints", "Responses must stay under 200 ms.", source=8, time=None)
+    state.add_item(ledger, "goal", "The goal is a billing and invoicing service.", source=9, time=None)
+    text = state.render(ledger, 500, words)
+    assert text.splitlines()[:5] == [
+        "Goal:", "- The goal is a billing and invoicing service.",
+        "Constraints:", "- Responses must stay under 200 ms.", "- Never deploy on Fridays."]
+    assert "billing service." not in text  # superseded goal left out
+    assert text == state.render(state.Ledger.model_validate(ledger.dump()), 500, words)
+    small = state.render(ledger, 12, words)
+    assert words(small) + len(small.splitlines()) <= 12 + len(small.splitlines())
+    assert small.startswith("Goal:") and "Lyon" not in small
+    assert state.render(ledger, 0, words) == ""
+
+
+def test_ledger_is_bounded() -> None:
+    """A very long conversation does not grow the ledger without bound; edited items stay."""
+    ledger = state.apply_edits(state.Ledger(), {"goal": "The goal is X."}, time=None)
+    for i in range(400):
+        state.add_item(ledger, "facts", f"Build {i} finished at step {i * 7} on host h{i}.", source=i, time=None)
+    assert sum(1 for _ in ledger.all_items()) <= state.MAX_ITEMS
+    assert ledger.active("goal")[0].edited
+
+
+def test_changed_identifier_is_a_second_item() -> None:
+    """Two statements differing only in a name are both kept; only numbers and paths update a statement."""
+    ledger = state.extract(state.Ledger(), [turn("user", "We decided to add a helper called parse_safe.")], 0)
+    ledger = state.extract(ledger, [turn("user", "We decided to add a helper called render_safe.")], 4)
+    assert len(ledger.active("decisions")) == 2

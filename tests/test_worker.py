@@ -1,0 +1,257 @@
+"""Fold workers against a real Redis (`redis_url`) and a fake summarizer upstream on port 0."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from test_summarizer import PLANTED, FakeUpstream, count, llm_settings, planted_session, survival
+
+from gateway import fold, state, worker
+from gateway.config import Settings, parse_settings
+from gateway.keys import ConvRef
+from gateway.metrics import Metrics
+from gateway.model import Turn
+from gateway.shape import content_hash, shape_for
+from gateway.store import Store, open_store
+from gateway.summarizer import build_summarizer
+
+SHAPE = shape_for("openai_chat")
+REF = ConvRef("tenant-a", "conv-1")
+
+
+def make_turn(role: str, text: str) -> Turn:
+    raw = {"role": role, "content": text}
+    return Turn(raw=raw, role=role, text=text, tokens=count(text), hash=content_hash(SHAPE, raw))
+
+
+async def add(store: Store, ref: ConvRef, messages: list[tuple[str, str]]) -> int:
+    view = await store.load(ref)
+    result = await store.append(ref, [make_turn(r, t) for r, t in messages], base_length=view.length,
+                                base_chain=view.last_chain or "", dialect="openai_chat")
+    assert result.ok
+    return result.length
+
+
+def numbered(start: int, n: int) -> list[tuple[str, str]]:
+    return [("user" if i % 2 == 0 else "assistant", f"message {i} about topic {i}") for i in range(start, start + n)]
+
+
+def with_worker(settings: Settings, **changes: Any) -> Settings:
+    """Settings with worker fields the validators would refuse in production (tiny claim_idle_ms)."""
+    w = settings.memory.worker.model_copy(update=changes)
+    return settings.model_copy(update={"memory": settings.memory.model_copy(update={"worker": w})})
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    fake = await FakeUpstream().start()
+    yield fake
+    await fake.close()
+
+
+@pytest.fixture
+async def store(redis_url: str) -> AsyncIterator[Store]:
+    s = await open_store(parse_settings({"store": {"url": redis_url}}).store)
+    yield s
+    await s.close()
+
+
+async def test_sequence_20_then_30(store: Store, upstream: FakeUpstream) -> None:
+    """At 20 messages the summary covers 10; at 30 it covers 20 from (previous summary + messages 10-19)."""
+    settings = llm_settings(upstream.url)
+    summarizer = build_summarizer(settings, count)
+    metrics = Metrics()
+    w = worker.FoldWorker(store, settings, summarizer, metrics=metrics, name="w1")
+
+    await add(store, REF, numbered(0, 20))
+    assert await store.enqueue_fold(REF)
+    await w.run(burst=True)
+    view = await store.load(REF)
+    assert view.summary is not None and view.summary.covers == 10 and view.tail_start == 10
+    assert view.summary.chain == (await store.chains(REF))[9]
+    first_prompt = upstream.requests[0][1]["messages"][1]["content"]
+    assert "[9] assistant: message 9" in first_prompt and "[10]" not in first_prompt
+
+    await add(store, REF, numbered(20, 10))
+    assert await store.enqueue_fold(REF)
+    await w.run(burst=True)
+    view = await store.load(REF)
+    assert view.summary is not None and view.summary.covers == 20 and view.summary.version == 2
+    second = [b for _, b in upstream.requests if "response_format" not in b][1]["messages"][1]["content"]
+    assert second.startswith("Previous summary:\n- [0] user: message 0")
+    assert "[10] user: message 10" in second and "[19] assistant" in second and "\n[9]" not in second
+    assert view.summary.text.splitlines()[-1].startswith("- [19] assistant")
+
+    stats = await store.stats(REF)
+    assert stats["folds"] == 2 and stats["summarizer_tokens_in"] > 0 and stats["summarizer_tokens_out"] > 0
+    assert metrics.folds.labels(result="ok")._value.get() == 2
+    assert metrics.summarizer_tokens.labels(kind="input")._value.get() == stats["summarizer_tokens_in"]
+    assert all(h["Authorization"] == "Bearer gw-own-key" for h, _ in upstream.requests)
+    assert await worker.queued(store) == 0
+    await summarizer.close()
+
+
+async def test_turns_arriving_during_a_fold_stay_in_the_window(store: Store, upstream: FakeUpstream) -> None:
+    """Turns appended while the summarizer runs stay in the window; the commit succeeds (prefix unchanged)."""
+    settings = llm_settings(upstream.url)
+    summarizer = build_summarizer(settings, count)
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    upstream.gate = asyncio.Event()
+    task = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, name="w1").run(burst=True))
+    await asyncio.wait_for(upstream.entered.wait(), 5)
+    await add(store, REF, numbered(20, 6))
+    upstream.gate.set()
+    await asyncio.wait_for(task, 10)
+    view = await store.load(REF)
+    assert view.summary is not None and view.summary.covers == 10
+    assert view.length == 26 and [t.text for t in view.tail] == [f"message {i} about topic {i}" for i in range(10, 26)]
+    await summarizer.close()
+
+
+async def test_branch_during_a_fold_cancels_it(store: Store, upstream: FakeUpstream) -> None:
+    """A branch that lands while the summarizer runs makes the commit fail; nothing is lost, no stale summary."""
+    settings = llm_settings(upstream.url)
+    summarizer = build_summarizer(settings, count)
+    metrics = Metrics()
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    upstream.gate = asyncio.Event()
+    task = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, metrics=metrics,
+                                                 name="w1").run(burst=True))
+    await asyncio.wait_for(upstream.entered.wait(), 5)
+    chains = await store.chains(REF)
+    branched = await store.branch(REF, at=4, base_chain=chains[3], dialect="openai_chat",
+                                  turns=[make_turn("user", "a different question"), make_turn("assistant", "answer")])
+    assert branched.ok
+    upstream.gate.set()
+    await asyncio.wait_for(task, 10)
+    view = await store.load(REF)
+    assert view.summary is None
+    assert [t.text for t in await store.messages(REF)] == [
+        *(f"message {i} about topic {i}" for i in range(4)), "a different question", "answer"]
+    assert metrics.folds.labels(result="conflict")._value.get() == 1
+    assert await worker.queued(store) == 0  # 6 messages: no new fold is due
+    await summarizer.close()
+
+
+async def test_worker_killed_mid_fold_is_reclaimed(store: Store, upstream: FakeUpstream) -> None:
+    """A worker cancelled mid-fold leaves its job pending; another worker reclaims it after claim_idle_ms."""
+    settings = with_worker(llm_settings(upstream.url), claim_idle_ms=50)
+    summarizer = build_summarizer(settings, count)
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    upstream.gate = asyncio.Event()
+    doomed = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, name="doomed").run())
+    await asyncio.wait_for(upstream.entered.wait(), 5)
+    doomed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert (await store.load(REF)).summary is None
+    assert await worker.queued(store) == 1  # still pending, owned by the dead consumer
+    upstream.gate.set()
+    await asyncio.sleep(0.1)
+    await worker.FoldWorker(store, settings, summarizer, name="rescuer").run(burst=True)
+    view = await store.load(REF)
+    assert view.summary is not None and view.summary.covers == 10
+    assert view.length == 20 and await worker.queued(store) == 0
+    await summarizer.close()
+
+
+async def test_circuit_breaker_stops_calling_the_summarizer(store: Store, upstream: FakeUpstream) -> None:
+    """After 3 failures in a row the worker stops calling the summarizer for breaker_seconds; the job stays queued."""
+    settings = with_worker(llm_settings(upstream.url), retry_base_seconds=0.01, breaker_seconds=0.4)
+    summarizer = build_summarizer(settings, count)
+    w = worker.FoldWorker(store, settings, summarizer, name="w1")
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    upstream.fail = True
+    await w.run(burst=True)
+    assert upstream.summary_calls == 3 and w.breaker.is_open()
+    await w.run(burst=True)
+    await asyncio.sleep(0.1)
+    await w.run(burst=True)
+    assert upstream.summary_calls == 3  # breaker open: no call at all
+    assert await worker.queued(store) == 1 and (await store.load(REF)).summary is None
+    upstream.fail = False
+    await asyncio.sleep(0.4)
+    await w.run(burst=True)
+    assert upstream.summary_calls == 4
+    assert (await store.load(REF)).summary is not None and await worker.queued(store) == 0
+    await summarizer.close()
+
+
+async def test_one_fold_per_conversation(store: Store) -> None:
+    """While another worker holds the conversation's lock, a fold does not start ("busy")."""
+    settings = Settings()
+    w = worker.FoldWorker(store, settings, build_summarizer(settings, count), name="w1")
+    await add(store, REF, numbered(0, 20))
+    await store.redis.set(store.keys.fold_lock(REF), "someone-else", px=5000)
+    assert await w.fold_conversation(REF) == "busy"
+    await store.redis.delete(store.keys.fold_lock(REF))
+    assert await w.fold_conversation(REF) == "ok"
+    assert await store.redis.exists(store.keys.fold_lock(REF)) == 0  # released
+
+
+async def test_settle_waits_for_the_queue(store: Store) -> None:
+    """settle() times out while jobs wait and returns once workers have drained the queue."""
+    settings = Settings()
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    with pytest.raises(TimeoutError):
+        await worker.settle(store, 0.1)
+    pool = worker.start_workers(store, settings, build_summarizer(settings, count), 2)
+    await worker.settle(store, 10)
+    await pool.stop()
+    assert (await store.load(REF)).summary is not None
+
+
+async def test_project_state_shared_and_updated_at_folds(store: Store) -> None:
+    """Each fold updates the project ledger by CAS; conversations of one project share it."""
+    settings = Settings()
+    w = worker.FoldWorker(store, settings, build_summarizer(settings, count), name="w1")
+    a, b = ConvRef("t", "a", "orion"), ConvRef("t", "b", "orion")
+    await add(store, a, [("user", "The goal is a billing service for Orion."), ("assistant", "ok"), *numbered(2, 18)])
+    await add(store, b, [("user", "We must never log card numbers."), ("assistant", "ok"), *numbered(2, 18)])
+    await store.enqueue_fold(a)
+    await store.enqueue_fold(b)
+    await w.run(burst=True)
+    data, version = await store.get_state(a)
+    ledger = state.load(data)
+    assert version == 2
+    assert [i.text for i in ledger.active("goal")] == ["The goal is a billing service for Orion."]
+    assert [i.text for i in ledger.active("constraints")] == ["We must never log card numbers."]
+    assert (await store.get_state(b))[0] == data
+
+
+async def test_extractive_120_turns_keeps_planted_facts(store: Store) -> None:
+    """Through 120 turns and many folds the 8 planted facts survive in the summary, which never exceeds its cap."""
+    settings = Settings()
+    cap = settings.memory.max_summary_tokens
+    summarizer = build_summarizer(settings, count)
+    w = worker.FoldWorker(store, settings, summarizer, name="w1")
+    messages = planted_session(120)
+    folds = 0
+    for i in range(0, len(messages), 2):
+        length = await add(store, REF, messages[i:i + 2])
+        view = await store.load(REF)
+        covers = view.summary.covers if view.summary else 0
+        if fold.should_fold(length=length, covers=covers, keep_recent=10, fold_batch=10):
+            await store.enqueue_fold(REF)
+            await w.run(burst=True)
+            summary = (await store.load(REF)).summary
+            assert summary is not None and summary.covers > covers and count(summary.text) <= cap
+            folds += 1
+    view = await store.load(REF)
+    assert view.summary is not None
+    in_summary = survival(view.summary.text)
+    rendered = state.render(state.load(view.state), settings.memory.state_budget_tokens, count)
+    in_state = survival(rendered)
+    print(f"\nworker extractive: {folds} folds over {len(messages)} messages; summary {count(view.summary.text)} "
+          f"tokens; facts in summary {sum(in_summary.values())}/{len(PLANTED)}, in state "
+          f"{sum(in_state.values())}/{len(PLANTED)}")
+    assert all(in_summary.values()), in_summary
+    assert folds >= 20
