@@ -317,7 +317,18 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     except OSError as exc:
         raise ConfigError([f"{resolved}: cannot read ({exc.strerror})"]) from exc
     try:
-        data = yaml.safe_load(expand_env(text))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError([f"{resolved}: not valid YAML ({exc})"]) from exc
-    return parse_settings(data)
+    return parse_settings(_expand_tree(data))
+
+
+def _expand_tree(node: Any) -> Any:
+    """Expand `${VAR}` in string values only: never in comments, and a value cannot inject YAML."""
+    if isinstance(node, str):
+        return expand_env(node)
+    if isinstance(node, dict):
+        return {k: _expand_tree(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand_tree(v) for v in node]
+    return node

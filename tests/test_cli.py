@@ -1,0 +1,140 @@
+"""The `gateway` command: check-config, serve, and lazy dispatch to worker / eval / demo."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import types
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from gateway import cli
+from gateway.testing import FakeUpstream
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_check_config_names_wrong_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """check-config prints each wrong key with why and exits 1."""
+    p = tmp_path / "bad.yaml"
+    p.write_text("memory:\n  keep_recnt: 5\n  message_threshold: -1\n")
+    assert cli.main(["check-config", "--config", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert "memory.keep_recnt: unknown key" in err
+    assert "memory.message_threshold" in err
+
+
+def test_check_config_ok_prints_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A valid config exits 0 with a short summary that shows no secret."""
+    p = tmp_path / "ok.yaml"
+    p.write_text("upstreams:\n  openai:\n    api_key: sk-secret-upstream\nauth:\n  keys: [sk-gw-0123456789]\n"
+                 "store:\n  url: redis://:hunter2@localhost:6379/0\n")
+    assert cli.main(["check-config", "--config", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "configuration OK" in out and "own api_key" in out
+    assert "sk-secret-upstream" not in out and "hunter2" not in out
+
+
+def test_check_config_upstream_key_requires_client_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An upstream api_key without auth.keys is rejected: nobody could use the gateway, or everybody could."""
+    p = tmp_path / "c.yaml"
+    p.write_text("upstreams:\n  anthropic:\n    api_key: sk-ant-x\n")
+    assert cli.main(["check-config", "--config", str(p)]) == 1
+    assert "auth.keys" in capsys.readouterr().err
+
+
+def test_check_config_reads_gateway_config_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --config, check-config validates the file named by GATEWAY_CONFIG."""
+    p = tmp_path / "bad.yaml"
+    p.write_text("servr: {}\n")
+    monkeypatch.setenv("GATEWAY_CONFIG", str(p))
+    assert cli.main(["check-config"]) == 1
+    assert "servr: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "module", "attrs"), [
+    (["worker", "--config", "w.yaml"], "gateway.worker", {"config": "w.yaml"}),
+    (["eval", "data.jsonl", "--summarizer", "llm", "--settle", "--json", "o.json", "--limit", "3"], "gateway.eval",
+     {"dataset": "data.jsonl", "summarizer": "llm", "settle": True, "json": "o.json", "limit": 3}),
+    (["demo", "--turns", "12"], "gateway.demo", {"turns": 12}),
+])
+def test_subcommands_dispatch_lazily(monkeypatch: pytest.MonkeyPatch, argv: list[str], module: str,
+                                     attrs: dict[str, object]) -> None:
+    """worker / eval / demo call `<module>.main(args)` with their parsed options and return its exit code."""
+    seen = []
+    fake = types.ModuleType(module)
+    fake.main = lambda args: seen.append(args) or 7  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, fake)
+    assert cli.main(argv) == 7
+    for key, value in attrs.items():
+        assert getattr(seen[0], key) == value
+
+
+def test_redact_url() -> None:
+    """Store URLs are logged without their password."""
+    assert cli.redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert cli.redact_url("memory://") == "memory://"
+
+
+async def start_gateway(*args: str, cwd: Path | None = None) -> tuple[int, asyncio.subprocess.Process]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CONFIG"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "serve", "--port", str(port), *args,
+                                                cwd=cwd, env=env, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            assert proc.returncode is None, "gateway exited at start-up"
+            try:
+                async with s.get(f"http://127.0.0.1:{port}/healthz") as r:
+                    if r.status == 200:
+                        return port, proc
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.05)
+    proc.kill()
+    raise AssertionError("gateway did not start")
+
+
+async def stop(proc: asyncio.subprocess.Process) -> str:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGINT)
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout=15)
+    return out.decode()
+
+
+async def test_serve_without_config_says_store_is_not_persistent(tmp_path: Path) -> None:
+    """`gateway serve` with no config runs on built-in defaults and logs that its store is in-process only."""
+    port, proc = await start_gateway(cwd=tmp_path)
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/readyz") as r:
+            assert r.status == 200
+    finally:
+        out = await stop(proc)
+    assert "NOT persistent" in out and "memory://" in out
+
+
+async def test_serve_proxies_to_configured_upstream(tmp_path: Path) -> None:
+    """`gateway serve --config` forwards an SDK call to the configured upstream and logs one JSON line for it."""
+    async with FakeUpstream(reply="served") as fake:
+        cfg = tmp_path / "g.yaml"
+        cfg.write_text(f"upstreams:\n  openai:\n    base_url: {fake.openai_base_url}\n")
+        port, proc = await start_gateway("--config", str(cfg))
+        try:
+            c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-cli-SECRET", max_retries=0)
+            r = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert r.choices[0].message.content == "served"
+        finally:
+            out = await stop(proc)
+    assert '"route":"/v1/chat/completions"' in out and '"status":200' in out
+    assert "sk-cli-SECRET" not in out

@@ -1,0 +1,81 @@
+"""Configuration: the shipped config/gateway.yaml, ${VAR:-default} expansion, and naming wrong keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.config import ConfigError, Settings, expand_env, load_settings
+
+SHIPPED = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
+ENV_VARS = ("GATEWAY_HOST", "GATEWAY_PORT", "GATEWAY_STORE_URL", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")
+
+
+def keys(value: Any, prefix: str = "") -> set[str]:
+    if not isinstance(value, dict):
+        return set()
+    out = set()
+    for k, v in value.items():
+        out.add(prefix + k)
+        if prefix + k != "models":  # model entries are data, not schema
+            out |= keys(v, prefix + k + ".")
+    return out
+
+
+def test_shipped_config_is_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """config/gateway.yaml loads and, with no environment overrides, equals the built-in defaults."""
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert load_settings(SHIPPED) == Settings()
+
+
+def test_shipped_config_lists_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every key of Settings appears in config/gateway.yaml, so the file documents them all."""
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    shipped = keys(yaml.safe_load(expand_env(SHIPPED.read_text(), {})))
+    assert keys(Settings().model_dump()) - shipped == set()
+
+
+def test_env_expansion_with_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """${VAR} takes the environment's value, ${VAR:-default} falls back when unset or empty."""
+    monkeypatch.setenv("GW_TEST_PORT", "9191")
+    monkeypatch.setenv("GW_TEST_EMPTY", "")
+    monkeypatch.delenv("GW_TEST_UNSET", raising=False)
+    p = tmp_path / "c.yaml"
+    p.write_text("server:\n  port: ${GW_TEST_PORT}\n  host: ${GW_TEST_UNSET:-0.0.0.0}\n"
+                 "store:\n  url: ${GW_TEST_EMPTY:-redis://r:6379/1}\n")
+    s = load_settings(p)
+    assert (s.server.port, s.server.host, s.store.url) == (9191, "0.0.0.0", "redis://r:6379/1")
+
+
+def test_unset_variable_without_default_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """${VAR} with VAR unset and no default is a configuration error naming the variable."""
+    monkeypatch.delenv("GW_TEST_MISSING", raising=False)
+    p = tmp_path / "c.yaml"
+    p.write_text("upstreams:\n  openai:\n    api_key: ${GW_TEST_MISSING}\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(p)
+    assert any("GW_TEST_MISSING" in problem for problem in info.value.problems)
+
+
+def test_wrong_keys_are_named(tmp_path: Path) -> None:
+    """Each unknown or invalid key is reported with its dotted path and why."""
+    p = tmp_path / "c.yaml"
+    p.write_text("server:\n  prot: 1\nstore:\n  url: mysql://x\nupstreams:\n  openai:\n    base_url: ftp://x\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(p)
+    problems = "\n".join(info.value.problems)
+    assert "server.prot: unknown key" in problems
+    assert "store.url" in problems and "upstreams.openai.base_url" in problems
+
+
+def test_gateway_config_env_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no path given, GATEWAY_CONFIG names the file."""
+    p = tmp_path / "c.yaml"
+    p.write_text("server:\n  port: 7001\n")
+    monkeypatch.setenv("GATEWAY_CONFIG", str(p))
+    assert load_settings(None).server.port == 7001
