@@ -1,0 +1,322 @@
+"""The memory path: identify → load → reconcile → plan → render; after the reply, record.
+
+`Memory.prepare` is the proxy's hook. It is the only module that knows the store, the rewrite
+rules, retrieval and token counting together; each of those is a plain module of its own. Nothing
+here blocks on a summarizer: folds are queued and done by the workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import structlog
+
+from gateway import context, fold, state
+from gateway.config import Settings
+from gateway.keys import ConvRef
+from gateway.model import ConversationView, Plan, Summary, Turn, Usage
+from gateway.proxy import Call, GatewayError, Prepared
+from gateway.recall import RecallCache
+from gateway.reconcile import Decision, chain_hashes, reconcile
+from gateway.shape import Shape, content_hash, shape_for
+from gateway.store import Store, StoreUnavailable
+from gateway.tokens import TokenCounter
+
+log = structlog.get_logger("gateway.memory")
+
+MEMORY_DIALECTS = frozenset({"openai_chat", "openai_responses", "anthropic"})
+
+
+@dataclass(slots=True)
+class _Request:
+    """What prepare learned, carried to the recording step."""
+
+    ref: ConvRef
+    shape: Shape
+    model: str | None
+    view: ConversationView
+    decision: Decision
+    incoming: list[dict[str, Any]]
+    hashes: list[str]
+    chains: list[str]
+    new_turns: list[Turn]  # incoming messages not stored yet, in order
+    plan: Plan | None
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _header(headers: Any, names: Sequence[str]) -> str | None:
+    for name in names:
+        value = headers.get(name)
+        if value:
+            return str(value).strip()
+    return None
+
+
+class Memory:
+    """The proxy hook that gives conversations memory."""
+
+    def __init__(self, settings: Settings, store: Store, tokens: TokenCounter, metrics: Any = None,
+                 recall: RecallCache | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.tokens = tokens
+        self.metrics = metrics
+        self.recall = recall or RecallCache()
+        self._system_tokens: OrderedDict[int, int] = OrderedDict()
+
+    # -- identify ---------------------------------------------------------------------------
+
+    def conversation_of(self, call: Call) -> ConvRef | None:
+        conv = _header(call.headers, self.settings.conversation.headers)
+        if not conv:
+            return None
+        project = _header(call.headers, self.settings.conversation.project_headers)
+        return ConvRef(call.tenant, conv, project)
+
+    async def prepare(self, call: Call) -> Prepared | None:
+        ref = self.conversation_of(call)
+        if ref is None:
+            return None  # no conversation: forwarded byte for byte
+        mem = self.settings.memory
+        off = str(call.headers.get(self.settings.conversation.memory_header, "")).lower() == "off"
+        shape = shape_for(call.dialect.name) if call.dialect.name in MEMORY_DIALECTS else None
+        history = shape.history(call.body) if shape is not None else None
+        if off or not mem.enabled or shape is None or history is None:
+            return Prepared(body=None, headers={"x-gateway-context": "passthrough"})
+
+        started = time.perf_counter()
+        try:
+            view = await self.store.load(ref, head=mem.keep_initial)
+        except StoreUnavailable as exc:
+            return self._degraded(call, shape, history, exc)
+        if view.dialect is not None and view.dialect != shape.dialect:
+            # One conversation id reused across API dialects: its stored turns cannot be replayed
+            # in the other format, so this request goes through untouched and is not recorded.
+            return Prepared(body=None, headers={"x-gateway-context": "passthrough"})
+
+        hashes = [content_hash(shape, m) for m in history]
+        chains = chain_hashes(hashes)
+        decision = reconcile(hashes, chains, view, self.settings.conversation.history)
+        if decision.action == "need_chains":
+            try:
+                stored = await self.store.chains(ref)
+            except StoreUnavailable as exc:
+                return self._degraded(call, shape, history, exc)
+            decision = reconcile(hashes, chains, view, self.settings.conversation.history, stored_chains=stored)
+
+        model = shape.model(call.body)
+        req = self._logical(ref, shape, model, view, decision, history, hashes, chains)
+        try:
+            plan, body = await self._plan(call, req, history)
+        except StoreUnavailable as exc:
+            return self._degraded(call, shape, history, exc)
+        req.plan = plan
+        headers = {
+            "x-gateway-context": plan.kind,
+            "x-gateway-tokens-original": str(plan.tokens_original),
+            "x-gateway-tokens-forwarded": str(plan.tokens_forwarded),
+            "x-gateway-tokens-saved": str(plan.tokens_original - plan.tokens_forwarded),
+        }
+        if self.metrics is not None:
+            self.metrics.observe_tokens(plan.tokens_original, plan.tokens_forwarded,
+                                        self._usd(model, plan.tokens_original - plan.tokens_forwarded))
+        log.debug("memory.plan", conversation=ref.conversation, action=decision.action, kind=plan.kind,
+                  ms=round((time.perf_counter() - started) * 1000, 3))
+
+        async def on_success(items: list[dict[str, Any]], usage: Usage) -> None:
+            await self._record(req, items, usage)
+
+        return Prepared(body=body, headers=headers, on_success=on_success)
+
+    # -- plan -------------------------------------------------------------------------------
+
+    def _turn(self, shape: Shape, raw: dict[str, Any], h: str, model: str | None,
+              when: str | None = None) -> Turn:
+        text = shape.text(raw)
+        return Turn(raw=raw, role=shape.role(raw), text=text,
+                    tokens=self.tokens.count_message(text, model), hash=h, time=when or _now())
+
+    def _logical(self, ref: ConvRef, shape: Shape, model: str | None, view: ConversationView,
+                 decision: Decision, history: list[dict[str, Any]], hashes: list[str],
+                 chains: list[str]) -> _Request:
+        """The new turns this request brings, counted once (stored ones carry their counts)."""
+        now = _now()
+        new = [self._turn(shape, history[i], hashes[i], model, now)
+               for i in range(decision.new_from, len(history))]
+        for t, c in zip(new, chains[decision.new_from:], strict=False):
+            t.chain = c
+        return _Request(ref, shape, model, view, decision, history, hashes, chains, new, None)
+
+    def _system_count(self, text: str, model: str | None) -> int:
+        if not text:
+            return 0
+        key = hash((text, model))
+        n = self._system_tokens.get(key)
+        if n is None:
+            n = self._system_tokens[key] = self.tokens.count(text, model)
+            if len(self._system_tokens) > 4096:
+                self._system_tokens.popitem(last=False)
+        return n
+
+    async def _plan(self, call: Call, req: _Request, history: list[dict[str, Any]]) -> tuple[Plan, bytes | None]:
+        mem = self.settings.memory
+        view, decision, shape = req.view, req.decision, req.shape
+        summary: Summary | None = view.summary
+        base = decision.base  # stored messages [0, base) this request builds on
+        client_sent_all = decision.action != "delta"
+
+        # The logical conversation from the summary's coverage on: stored tail up to `base`
+        # (with the client's own bytes where it sent them), then the new turns.
+        if base < view.tail_start or (summary is not None and summary.covers > base):
+            # The request builds on a point the summary already covers (a regenerate far back,
+            # an early branch): the summary describes turns this request does not contain.
+            summary = None
+            tail: list[Turn] = [self._turn(shape, history[i], req.hashes[i], req.model)
+                                for i in range(0, decision.new_from)]
+            tail_start = 0
+            total_tokens = sum(t.tokens for t in tail)
+        else:
+            stored = view.tail[: base - view.tail_start]
+            if client_sent_all:
+                offset = decision.new_from - base
+                tail = [Turn(raw=history[offset + view.tail_start + i], role=t.role, text=t.text,
+                             tokens=t.tokens, hash=t.hash, chain=t.chain, time=t.time)
+                        for i, t in enumerate(stored)]
+            else:
+                tail = list(stored)
+            tail_start = view.tail_start
+            dropped = sum(t.tokens for t in view.tail[base - view.tail_start:])
+            total_tokens = view.tokens_total - dropped
+        tail.extend(req.new_turns)
+        total_tokens += sum(t.tokens for t in req.new_turns)
+        total_messages = tail_start + len(tail)
+
+        system_tokens = self._system_count(shape.system_text(call.body), req.model)
+        model_cfg = self.settings.model(req.model)
+        max_out = shape.max_output_tokens(call.body) or 0
+        budget = int(model_cfg.context_window * mem.budget_ratio) - max_out
+
+        ledger = state.Ledger.model_validate(view.state) if view.state else None
+        state_block = ""
+        if ledger is not None:
+            rendered = state.render(ledger, mem.state_budget_tokens, lambda s: self.tokens.count(s, req.model))
+            if rendered:
+                state_block = mem.templates.state.format(state=rendered)
+
+        key = self._recall_key(req.ref)
+        if mem.retrieval.enabled and tail_start > 0:
+            await self.recall.sync(key, view.tail[: max(0, base - view.tail_start)], view.tail_start,
+                                   lambda a, b: self.store.messages(req.ref, a, b))
+        query_turn = next((t for t in reversed(tail) if shape.is_turn_start(t.raw)), tail[-1] if tail else None)
+        recent = [t.text for t in tail[-6:]]
+
+        def recall(window_start: int, budget_tokens: int) -> list[tuple[int, Turn]]:
+            if not mem.retrieval.enabled or query_turn is None:
+                return []
+            head_n = len(view.head)
+            hits = self.recall.search(
+                key, query=query_turn.text, before=window_start, budget_tokens=budget_tokens,
+                exclude=lambda p: p < head_n, recent=recent, query_time=query_turn.time,
+            )
+            return [(h.position, Turn(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="",
+                                      time=h.time)) for h in hits]
+
+        plan = context.build_plan(
+            shape, head=view.head if tail_start > 0 else [], tail=tail, tail_start=tail_start,
+            total_messages=total_messages, total_tokens=total_tokens, system_tokens=system_tokens,
+            summary=summary, state_block=state_block,
+            state_tokens=self.tokens.count(state_block, req.model) if state_block else 0,
+            settings=mem, context_budget=budget, count=lambda s: self.tokens.count(s, req.model),
+            recall=recall,
+        )
+        if plan.tokens_forwarded > budget:
+            raise GatewayError(400, "invalid_request_error",
+                               f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
+                               f"the {budget} this model's context window allows after max output tokens")
+        if plan.kind == "full" and client_sent_all:
+            return plan, None
+        rendered_body = shape.render(call.body, plan, cache_control=mem.cache_control)
+        return plan, orjson.dumps(rendered_body)
+
+    def _degraded(self, call: Call, shape: Shape, history: list[dict[str, Any]], exc: Exception) -> Prepared:
+        if self.metrics is not None:
+            self.metrics.store_errors_total.inc()
+        log.warning("memory.degraded", error=type(exc).__name__)
+        model = shape.model(call.body)
+        tokens = sum(self.tokens.count_message(shape.text(m), model) for m in history)
+        tokens += self._system_count(shape.system_text(call.body), model)
+        return Prepared(body=None, headers={
+            "x-gateway-context": "degraded", "x-gateway-tokens-original": str(tokens),
+            "x-gateway-tokens-forwarded": str(tokens), "x-gateway-tokens-saved": "0"})
+
+    # -- record -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _recall_key(ref: ConvRef) -> str:
+        return f"{ref.tenant}\x1f{ref.conversation}"
+
+    def _usd(self, model: str | None, tokens: int) -> float:
+        return tokens * self.settings.model(model).input_usd_per_mtok / 1_000_000
+
+    async def _record(self, req: _Request, items: list[dict[str, Any]], usage: Usage) -> None:
+        """Store the new turns and the reply; queue a fold when enough turns aged out."""
+        shape, decision, view, ref = req.shape, req.decision, req.view, req.ref
+        reply = [self._turn(shape, raw, content_hash(shape, raw), req.model) for raw in items]
+        turns = [*req.new_turns, *reply]
+        try:
+            if decision.action in ("new", "extend", "delta"):
+                result = await self.store.append(ref, turns, base_length=decision.base,
+                                                 base_chain=decision.base_chain, dialect=shape.dialect)
+            elif decision.action == "prefix":
+                stored_next = decision.base - view.tail_start
+                same = (0 <= stored_next < len(view.tail) and reply
+                        and view.tail[stored_next].hash == reply[0].hash)
+                if same or not reply:
+                    result = None  # a retry that got the same answer: nothing to store twice
+                elif decision.base == view.length:
+                    result = await self.store.append(ref, reply, base_length=decision.base,
+                                                     base_chain=decision.base_chain, dialect=shape.dialect)
+                else:
+                    result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
+                                                     turns=reply, dialect=shape.dialect)
+            else:  # branch
+                result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
+                                                 turns=turns, dialect=shape.dialect)
+            plan = req.plan
+            stats = {"requests": 1, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+                     "cache_read_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens}
+            if plan is not None:
+                stats |= {"tokens_original": plan.tokens_original, "tokens_forwarded": plan.tokens_forwarded,
+                          "tokens_saved": plan.tokens_original - plan.tokens_forwarded}
+            await self.store.add_stats(ref, **stats)
+            if result is not None and not result.ok:
+                log.info("memory.record_conflict", conversation=ref.conversation, reason=result.reason)
+                return
+            if plan is not None and usage.input_tokens and plan.kind != "passthrough":
+                self.tokens.calibrate(req.model, plan.tokens_forwarded, usage.input_tokens)
+            length = result.length if result is not None else view.length
+            if result is not None and result.appended:
+                key = self._recall_key(ref)
+                if decision.action in ("branch", "prefix"):
+                    self.recall.truncate(key, decision.base)
+            await self._maybe_fold(req, length, urgent=bool(plan and plan.urgent_fold))
+        except StoreUnavailable as exc:
+            if self.metrics is not None:
+                self.metrics.store_errors_total.inc()
+            log.warning("memory.record_failed", conversation=ref.conversation, error=type(exc).__name__)
+
+    async def _maybe_fold(self, req: _Request, length: int, *, urgent: bool) -> None:
+        mem = self.settings.memory
+        covers = req.view.summary.covers if req.view.summary else 0
+        if urgent or fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent,
+                                      fold_batch=mem.fold_batch):
+            await self.store.enqueue_fold(req.ref, urgent=urgent)
