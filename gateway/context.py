@@ -283,17 +283,16 @@ def _excerpts(
             continue
         seen.add(pos)
         when = f", {turn.time}" if turn.time else ""
-        entry = f"[message {pos}, {turn.role}{when}]\n{turn.text}"
-        cost = count(entry) + 1  # +1: the blank line between entries
+        header = f"[message {pos}, {turn.role}{when}]\n"
+        # The text's count is the stored one (counted once, when the turn arrived) and includes
+        # the per-message overhead, which covers the joins: re-tokenising a block of thousands of
+        # tokens on every request would cost milliseconds.
+        cost = count(header) + max(turn.tokens, 1)
         if spent + cost > budget:
             continue  # a smaller, less relevant one may still fit
         spent += cost
-        chosen.append((pos, entry))
-    while chosen:
-        chosen.sort()
-        block = fill(template, excerpts="\n\n".join(e for _, e in chosen))
-        if count(block) <= budget:
-            return block
-        # Token counts are not additive across joins; drop the longest entry and check again.
-        chosen.remove(max(chosen, key=lambda c: len(c[1])))
-    return ""
+        chosen.append((pos, header + turn.text))
+    if not chosen:
+        return ""
+    chosen.sort()
+    return fill(template, excerpts="\n\n".join(e for _, e in chosen))

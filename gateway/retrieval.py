@@ -494,10 +494,12 @@ class RetrievalIndex:
         c0, c1 = k1 * (1.0 - b), k1 * b / avgdl
         scores: dict[int, float] = {}
         get = scores.get
-        for t, w in weights.items():
-            entry = self._postings.get(t)
-            if entry is None:
-                continue
+        found = [(w, e) for t, w in weights.items() if (e := self._postings.get(t)) is not None]
+        # A term in more than half the messages barely ranks (idf <= ln 2) yet costs a pass over
+        # most of the index: skip it whenever the query has a rarer term to rank by.
+        if any(_df(e) <= n // 2 for _, e in found):
+            found = [f for f in found if _df(f[1]) <= n // 2]
+        for w, entry in found:
             plist: Sequence[int] = (entry,) if isinstance(entry, int) else entry
             df = len(plist)
             idf = w * math.log(1.0 + (n - df + 0.5) / (df + 0.5)) * (k1 + 1.0)

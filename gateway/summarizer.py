@@ -151,12 +151,27 @@ def _role_of(line: str) -> str:
     return m.group(1) if m else "user"
 
 
-def dedupe(lines: Sequence[str]) -> list[str]:
-    """Drop lines that restate an earlier kept line (the first statement of a fact carries it)."""
+def dedupe(lines: Sequence[str], threshold: float = 0.7) -> list[str]:
+    """Drop lines that restate an earlier kept line (the first statement of a fact carries it).
+
+    An inverted index over the kept lines' words finds the only lines that can reach the Jaccard
+    threshold (they share at least threshold x the new line's words), so a fold over hundreds of
+    lines stays linear instead of comparing every pair.
+    """
     kept: list[str] = []
+    postings: dict[str, list[int]] = {}
     for line in lines:
-        if not any(near_duplicate(line, k) for k in kept):
-            kept.append(line)
+        words, _ = _signature(line)
+        overlap: dict[int, int] = {}
+        for w in words:
+            for k in postings.get(w, ()):
+                overlap[k] = overlap.get(k, 0) + 1
+        need = threshold * len(words)
+        if any(n >= need and near_duplicate(line, kept[k], threshold) for k, n in overlap.items()):
+            continue
+        for w in words:
+            postings.setdefault(w, []).append(len(kept))
+        kept.append(line)
     return kept
 
 

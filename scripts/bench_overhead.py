@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import socket
 import statistics
@@ -52,12 +53,19 @@ class Run:
         return len(self.latencies) / self.seconds
 
 
+def _words(rng: random.Random, n: int) -> str:
+    # Zipf-like draws from a 5,000-word vocabulary: the shape of real text, so the retrieval
+    # index sees realistic posting lists (identical filler in every message would not be).
+    return " ".join(f"w{min(int(rng.paretovariate(1.1)), 5000)}" for _ in range(n))
+
+
 def body_for(turns: int, stream: bool) -> bytes:
+    rng = random.Random(turns)
     messages = [{"role": "system", "content": "You are a helpful assistant."}]
     for i in range(turns):
         role = "user" if i % 2 == 0 else "assistant"
-        messages.append({"role": role, "content": f"Message {i}: " + "lorem ipsum dolor sit amet " * 8})
-    messages.append({"role": "user", "content": "And now, the answer?"})
+        messages.append({"role": role, "content": f"Message {i}: " + _words(rng, 40 if role == "user" else 120)})
+    messages.append({"role": "user", "content": "And now, about " + _words(rng, 8) + "?"})
     return orjson.dumps({"model": "gpt-4o-mini", "messages": messages, "stream": stream,
                          **({"stream_options": {"include_usage": True}} if stream else {})})
 

@@ -195,6 +195,8 @@ def test_excerpts_stay_within_their_budget() -> None:
     raws = [*chat(5), {"role": "user", "content": "q"}]
     raws[3] = {"role": "assistant", "content": "long " * 30}
     ts = turns(oa, raws)
+    for t in ts:
+        t.tokens = count(t.text) + 4  # stored turns carry their real count
     p = plan_for(ts, cov=6, recall=lambda s, b: [(3, ts[3]), (1, ts[1])], retrieval_budget_tokens=20)
     assert "[message 1," in p.excerpts_block and "[message 3," not in p.excerpts_block
     assert count(p.excerpts_block) <= 20
