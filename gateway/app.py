@@ -254,8 +254,22 @@ def create_app(settings: Settings, *, store: Any = None, hook: MemoryHook | None
     r.add_get("/healthz", healthz, allow_head=False)
     r.add_get("/readyz", readyz, allow_head=False)
     r.add_get("/metrics", metrics, allow_head=False)
+    _conversation_api(app)
     r.add_route("*", "/v1/{tail:.*}", forward("/v1/*"))
     return app
+
+
+def _conversation_api(app: web.Application) -> None:
+    from gateway import api  # the conversation routes; they answer 404 while no store is set
+
+    def count(text: str) -> int:
+        hook = app[HOOK]
+        tokens = getattr(hook, "tokens", None)
+        return tokens.count(text) if tokens is not None else len(text) // 4
+
+    conversations = api.ConversationAPI(app, app[SETTINGS], STORE, HOOK, count)
+    for route, method, handler in api.routes(conversations):
+        app.router.add_route(method, route, _routed("/v1/conversations", handler))
 
 
 async def _bind_hook(app: web.Application) -> None:

@@ -77,6 +77,12 @@ class Memory:
             OrderedDict())
         self._hash_cache_size = 256
 
+    def forget(self, ref: ConvRef) -> None:
+        """Drop what this process caches about a deleted conversation."""
+        self.recall.forget(self._recall_key(ref))
+        for key in [k for k in self._hashes if k[:2] == (ref.tenant, ref.conversation)]:
+            del self._hashes[key]
+
     # -- identify ---------------------------------------------------------------------------
 
     def conversation_of(self, call: Call) -> ConvRef | None:

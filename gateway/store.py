@@ -305,6 +305,9 @@ class Store:
         self._put_summary = client.register_script(_PUT_SUMMARY)
         self._put_state = client.register_script(_PUT_STATE)
         self._enqueue = client.register_script(_ENQUEUE)
+        # Set whenever this process queues a fold: in-process workers wake at once instead of at
+        # their next poll (on memory:// a blocking XREADGROUP returns immediately, so they poll).
+        self.fold_queued = asyncio.Event()
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -493,6 +496,7 @@ class Store:
                 # The job was not queued: do not leave a flag that would block the next attempt.
                 await asyncio.shield(self.redis.hdel(self.keys.meta(ref), "q"))
                 raise
+        self.fold_queued.set()
         return True
 
     async def fold_done(self, ref: ConvRef) -> None:

@@ -179,8 +179,22 @@ class FoldWorker:
             for job_id, fields in entries:
                 return _s(job_id), parse_job(job_id, fields)
         if block and time.monotonic() - started < _BLOCK_MS / 2000:
-            await self._pause(_POLL_SECONDS)
+            await self._wait_for_job(_POLL_SECONDS)
         return None, None
+
+    async def _wait_for_job(self, seconds: float) -> None:
+        """Sleep until this process queues a fold, `stop()`, or `seconds` pass."""
+        signal = getattr(self.store, "fold_queued", None)
+        if signal is None:
+            await self._pause(seconds)
+            return
+        signal.clear()
+        waits = [asyncio.ensure_future(signal.wait()), asyncio.ensure_future(self._stopping.wait())]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def _ack(self, job_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
