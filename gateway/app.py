@@ -190,6 +190,7 @@ async def _memory_layer(app: web.Application) -> AsyncIterator[None]:
         app[STORE] = await open_store(settings.store)
     store = app[STORE]
     counter = TokenCounter(settings.models)
+    counter.count("warm up", settings.memory.summarizer.model)  # load the encoding now, not on a request
     hook = Memory(settings, store, counter, metrics=app[METRICS])
     app[HOOK] = hook
     app[PROXY].hook = hook

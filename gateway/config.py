@@ -139,7 +139,10 @@ class MemorySettings(_Strict):
     fold_tokens: int = Field(6000, ge=1)
     max_summary_tokens: int = Field(600, ge=50)
     state_budget_tokens: int = Field(500, ge=0)
-    retrieval_budget_tokens: int = Field(1500, ge=0)
+    retrieval_budget_tokens: int = Field(4000, ge=0)
+    # Excerpts never take more than this share of what the full history would cost, so a short
+    # conversation is not padded with its own past.
+    retrieval_max_share: float = Field(0.1, ge=0, le=1)
     budget_ratio: float = Field(0.8, gt=0, le=1)
     # Anthropic: add a cache_control breakpoint after the summary block (within the limit of 4).
     cache_control: bool = True

@@ -434,6 +434,9 @@ def main(args: argparse.Namespace | Iterable[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="gateway eval")
         add_arguments(parser)
         args = parser.parse_args(list(args) if args is not None else None)
+    from gateway import logs
+
+    logs.configure("console", "warning", sys.stderr)  # stdout carries the table
     settings = load_settings(args.config)
     if args.summarizer:
         data = settings.model_dump()

@@ -258,7 +258,8 @@ class Memory:
         recent = [t.text for t in tail[-6:]]
 
         def recall(window_start: int, budget_tokens: int) -> list[tuple[int, Turn]]:
-            if not mem.retrieval.enabled or query_turn is None:
+            budget_tokens = min(budget_tokens, int(mem.retrieval_max_share * total_tokens))
+            if not mem.retrieval.enabled or query_turn is None or budget_tokens <= 0:
                 return []
             head_n = len(view.head)
             hits = self.recall.search(
