@@ -146,6 +146,9 @@ class MemorySettings(_Strict):
     budget_ratio: float = Field(0.8, gt=0, le=1)
     # Anthropic: add a cache_control breakpoint after the summary block (within the limit of 4).
     cache_control: bool = True
+    # Forward the full history instead of the rewrite whenever the provider would bill it less
+    # once its prompt cache is counted (see gateway/cost.py).
+    cost_model: bool = True
     summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
@@ -162,6 +165,7 @@ class ModelSettings(_Strict):
 class PricingSettings(_Strict):
     cache_read_factor: float = Field(0.1, ge=0)
     cache_write_factor: float = Field(1.25, ge=0)
+    cache_ttl_seconds: float = Field(300.0, ge=0)
 
 
 def _default_models() -> dict[str, ModelSettings]:

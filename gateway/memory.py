@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from hashlib import blake2b
 from typing import Any
 
 import orjson
 import structlog
 
-from gateway import context, fold, state
+from gateway import context, cost, fold, state
 from gateway.config import Settings
 from gateway.keys import ConvRef
 from gateway.model import ConversationView, Plan, Summary, Turn, Usage
@@ -47,10 +48,15 @@ class _Request:
     chains: list[str]
     new_turns: list[Turn]  # incoming messages not stored yet, in order
     plan: Plan | None
+    system_hash: str = ""
 
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _digest(text: str) -> str:
+    return blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 def _header(headers: Any, names: Sequence[str]) -> str | None:
@@ -76,12 +82,18 @@ class Memory:
         self._hashes: OrderedDict[tuple[str, str, str], tuple[list[dict[str, Any]], list[str], list[str]]] = (
             OrderedDict())
         self._hash_cache_size = 256
+        # What each conversation's last request carried, for the prompt-cache cost model.
+        self._forwarded: OrderedDict[tuple[str, str], cost.Forwarded] = OrderedDict()
+        # (tenant, conversation) → recent (start, stop, replied at) of the turns this process stored:
+        # tells a concurrent sibling request from an edit (see `_siblings`).
+        self._stored_runs: OrderedDict[tuple[str, str], list[tuple[int, int, float]]] = OrderedDict()
 
     def forget(self, ref: ConvRef) -> None:
         """Drop what this process caches about a deleted conversation."""
         self.recall.forget(self._recall_key(ref))
         for key in [k for k in self._hashes if k[:2] == (ref.tenant, ref.conversation)]:
             del self._hashes[key]
+        self._stored_runs.pop((ref.tenant, ref.conversation), None)
 
     # -- identify ---------------------------------------------------------------------------
 
@@ -104,6 +116,7 @@ class Memory:
             return Prepared(body=None, headers={"x-gateway-context": "passthrough"})
 
         started = time.perf_counter()
+        arrived = time.monotonic()
         try:
             view = await self.store.load(ref, head=mem.keep_initial)
         except StoreUnavailable as exc:
@@ -121,6 +134,11 @@ class Memory:
             except StoreUnavailable as exc:
                 return self._degraded(call, shape, history, exc)
             decision = reconcile(hashes, chains, view, self.settings.conversation.history, stored_chains=stored)
+        if decision.action == "branch" and self._siblings(ref, decision.base, view.length, arrived):
+            # Every turn after the divergence was stored by requests still unanswered when this one
+            # arrived: concurrent requests on one base, not an edit. Store the union (append after them).
+            decision = Decision("extend", base=decision.base, new_from=decision.new_from,
+                                base_chain=decision.base_chain)
 
         model = shape.model(call.body)
         req = self._logical(ref, shape, model, view, decision, history, hashes, chains)
@@ -141,8 +159,8 @@ class Memory:
         log.debug("memory.plan", conversation=ref.conversation, action=decision.action, kind=plan.kind,
                   ms=round((time.perf_counter() - started) * 1000, 3))
 
-        async def on_success(items: list[dict[str, Any]], usage: Usage) -> None:
-            await self._record(req, items, usage)
+        def on_success(items: list[dict[str, Any]], usage: Usage) -> Awaitable[None]:
+            return self._record(req, items, usage, replied=time.monotonic())  # the reply is relayed now
 
         return Prepared(body=body, headers=headers, on_success=on_success)
 
@@ -238,7 +256,9 @@ class Memory:
         total_tokens += sum(t.tokens for t in req.new_turns)
         total_messages = tail_start + len(tail)
 
-        system_tokens = self._system_count(shape.system_text(call.body), req.model)
+        system_text = shape.system_text(call.body)
+        system_tokens = self._system_count(system_text, req.model)
+        req.system_hash = _digest(system_text)
         model_cfg = self.settings.model(req.model)
         max_out = shape.max_output_tokens(call.body) or 0
         budget = int(model_cfg.context_window * mem.budget_ratio) - max_out
@@ -258,7 +278,8 @@ class Memory:
         recent = [t.text for t in tail[-6:]]
 
         def recall(window_start: int, budget_tokens: int) -> list[tuple[int, Turn]]:
-            budget_tokens = min(budget_tokens, int(mem.retrieval_max_share * total_tokens))
+            # Less the block's own heading; each excerpt's header is budgeted by the index.
+            budget_tokens = min(budget_tokens, int(mem.retrieval_max_share * total_tokens)) - 20
             if not mem.retrieval.enabled or query_turn is None or budget_tokens <= 0:
                 return []
             head_n = len(view.head)
@@ -281,10 +302,85 @@ class Memory:
             raise GatewayError(400, "invalid_request_error",
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
                                f"the {budget} this model's context window allows after max output tokens")
+        if plan.kind == "rewritten" and client_sent_all and mem.cost_model and total_tokens + system_tokens <= budget:
+            plan = self._cheaper(call, req, plan, tail, system_tokens, total_tokens, state_block, summary)
+        self._remember_forwarded(req, plan, tail, system_tokens, total_tokens, summary, state_block)
         if plan.kind == "full" and client_sent_all:
             return plan, None
         rendered_body = shape.render(call.body, plan, cache_control=mem.cache_control)
         return plan, orjson.dumps(rendered_body)
+
+    # -- cost -------------------------------------------------------------------------------
+
+    def _prices(self) -> cost.Prices:
+        p = self.settings.pricing
+        return cost.Prices(read=p.cache_read_factor, write=p.cache_write_factor, ttl=p.cache_ttl_seconds)
+
+    def _rewrite_items(self, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
+                       summary: Summary | None, state_block: str) -> tuple[list[str], list[int], int]:
+        """The rewritten request as prompt-cache items, and its volatile tokens (excerpts onwards)."""
+        window = tail[len(tail) - len(plan.window):] if plan.window else []
+        blocks = plan.state_block + "\x1f" + plan.summary_block
+        block_tokens = (summary.tokens if summary is not None and plan.summary_block else 0)
+        block_tokens += self.tokens.count(state_block, req.model) if plan.state_block else 0
+        items = [req.system_hash, _digest(blocks)] + [t.hash for t in req.view.head[: len(plan.head)]]
+        tokens = [system_tokens, block_tokens] + [t.tokens for t in req.view.head[: len(plan.head)]]
+        if plan.omitted_marker:
+            items.append(_digest(plan.omitted_marker))
+            tokens.append(8)
+        cut = next((i for i in range(len(window) - 1, -1, -1) if req.shape.is_turn_start(window[i].raw)), len(window))
+        stable = sum(tokens) + sum(t.tokens for t in window[:cut])
+        excerpts = max(plan.tokens_forwarded - stable - sum(t.tokens for t in window[cut:]), 0)
+        items += [t.hash for t in window[:cut]]
+        tokens += [t.tokens for t in window[:cut]]
+        if plan.excerpts_block:
+            items.append(_digest(plan.excerpts_block))
+            tokens.append(excerpts)
+        items += [t.hash for t in window[cut:]]
+        tokens += [t.tokens for t in window[cut:]]
+        return items, tokens, excerpts + sum(t.tokens for t in window[cut:])
+
+    def _cheaper(self, call: Call, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
+                 total_tokens: int, state_block: str, summary: Summary | None) -> Plan:
+        """The rewrite, unless the full history would be billed less once prompt caching counts."""
+        prices = self._prices()
+        now = time.monotonic()
+        last = self._forwarded.get(self._cost_key(req.ref))
+        system = (req.system_hash, system_tokens)
+        # OpenAI caches long prompt prefixes by itself; Anthropic only up to a client's breakpoint.
+        cacheable = req.shape.dialect != "anthropic" or b"cache_control" in call.raw
+        full_now = cost.billed_full(system, total_tokens, req.chains, last, now, prices,
+                                    cacheable=cacheable)
+        items, tokens, volatile = self._rewrite_items(req, plan, tail, system_tokens, summary, state_block)
+        rewrite_now = cost.billed(items, tokens, last, now, prices)
+        choice = cost.choose(
+            full_now=full_now, rewrite_now=rewrite_now, full_total=system_tokens + total_tokens,
+            rewrite_total=sum(tokens), new=2 * sum(t.tokens for t in req.new_turns), volatile=volatile,
+            prices=prices, horizon=max(2, self.settings.memory.fold_batch // 2), full_cacheable=cacheable)
+        if not choice.full:
+            return plan
+        return Plan(kind="full", state_block="", summary_block="", head=[], omitted_marker="",
+                    window=[t.raw for t in tail], excerpts_block="", tokens_original=plan.tokens_original,
+                    tokens_forwarded=plan.tokens_original)
+
+    def _remember_forwarded(self, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
+                            total_tokens: int, summary: Summary | None, state_block: str) -> None:
+        now = time.monotonic()
+        key = self._cost_key(req.ref)
+        if plan.kind == "full":
+            record = cost.full_record((req.system_hash, system_tokens), len(req.incoming),
+                                      req.chains[-1] if req.chains else "", total_tokens, now)
+        else:
+            items, tokens, _ = self._rewrite_items(req, plan, tail, system_tokens, summary, state_block)
+            record = cost.Forwarded(False, tuple(items), tuple(tokens), now)
+        self._forwarded[key] = record
+        self._forwarded.move_to_end(key)
+        while len(self._forwarded) > self._hash_cache_size:
+            self._forwarded.popitem(last=False)
+
+    @staticmethod
+    def _cost_key(ref: ConvRef) -> tuple[str, str]:
+        return (ref.tenant, ref.conversation)
 
     def _degraded(self, call: Call, shape: Shape, history: list[dict[str, Any]], exc: Exception) -> Prepared:
         if self.metrics is not None:
@@ -306,7 +402,31 @@ class Memory:
     def _usd(self, model: str | None, tokens: int) -> float:
         return tokens * self.settings.model(model).input_usd_per_mtok / 1_000_000
 
-    async def _record(self, req: _Request, items: list[dict[str, Any]], usage: Usage) -> None:
+    def _siblings(self, ref: ConvRef, at: int, length: int, arrived: float) -> bool:
+        """Were stored messages [at, length) all stored by requests answered after `arrived`?"""
+        runs = self._stored_runs.get((ref.tenant, ref.conversation))
+        if not runs or at >= length:
+            return False
+        covered = at
+        for start, stop, replied in sorted(runs):
+            if start > covered:
+                break
+            if stop > covered:
+                if replied <= arrived:
+                    return False
+                covered = stop
+        return covered >= length
+
+    def _note_stored(self, ref: ConvRef, start: int, stop: int, replied: float) -> None:
+        key = (ref.tenant, ref.conversation)
+        runs = [r for r in self._stored_runs.pop(key, []) if r[1] <= start]  # a branch replaced the rest
+        runs.append((start, stop, replied))
+        self._stored_runs[key] = runs[-64:]
+        while len(self._stored_runs) > self._hash_cache_size:
+            self._stored_runs.popitem(last=False)
+
+    async def _record(self, req: _Request, items: list[dict[str, Any]], usage: Usage,
+                      replied: float = 0.0) -> None:
         """Store the new turns and the reply; queue a fold when enough turns aged out."""
         shape, decision, view, ref = req.shape, req.decision, req.view, req.ref
         reply = [self._turn(shape, raw, content_hash(shape, raw), req.model) for raw in items]
@@ -317,8 +437,14 @@ class Memory:
                                                  base_chain=decision.base_chain, dialect=shape.dialect)
             elif decision.action == "prefix":
                 stored_next = decision.base - view.tail_start
-                same = (0 <= stored_next < len(view.tail) and reply
-                        and view.tail[stored_next].hash == reply[0].hash)
+                same = bool(0 <= stored_next < len(view.tail) and reply
+                            and view.tail[stored_next].hash == reply[0].hash)
+                if reply and not same and stored_next < 0:
+                    # The stored message at `base` is covered by the summary (not loaded): compare
+                    # its chain, so a late retry of an old turn does not truncate the conversation.
+                    expect = chain_hashes([reply[0].hash], prev=decision.base_chain)[0]
+                    stored_chains = await self.store.chains(ref)
+                    same = len(stored_chains) > decision.base and stored_chains[decision.base] == expect
                 if same or not reply:
                     result = None  # a retry that got the same answer: nothing to store twice
                 elif decision.base == view.length:
@@ -344,6 +470,8 @@ class Memory:
                 self.tokens.calibrate(req.model, plan.tokens_forwarded, usage.input_tokens)
             length = result.length if result is not None else view.length
             if result is not None and result.appended:
+                start = result.start if result.start >= 0 else result.length - result.appended
+                self._note_stored(ref, start, start + result.appended, replied or time.monotonic())
                 key = self._recall_key(ref)
                 if decision.action in ("branch", "prefix"):
                     self.recall.truncate(key, decision.base)

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from gateway.model import Turn
 from gateway.retrieval import RetrievalIndex
 
+# Tokens of an excerpt's "[message 123, assistant, 2023-05-08T13:56:00]" header (cl100k: 17-19).
+EXCERPT_HEADER_TOKENS = 20
+
 # (conversation key) → messages [start, stop) from the store
 FetchTurns = Callable[[int, int], Awaitable[list[Turn]]]
 
@@ -59,7 +62,10 @@ class RecallCache:
 
     def _add(self, entry: _Entry, turns: Sequence[Turn]) -> None:
         for turn in turns:
-            entry.index.add(len(entry.texts), turn.role, turn.text, turn.time, turn.tokens)
+            # Budgeted at what the excerpt will cost: its text plus its "[message N, role, time]"
+            # header. Budgeting the text alone overfilled the block, and the renderer then dropped
+            # whichever excerpts came last in the conversation, not the least relevant.
+            entry.index.add(len(entry.texts), turn.role, turn.text, turn.time, turn.tokens + EXCERPT_HEADER_TOKENS)
             entry.texts.append(turn.text)
             entry.roles.append(turn.role)
             entry.times.append(turn.time)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import ConfigError, Settings, expand_env, load_settings
+from gateway.config import ConfigError, Settings, load_settings
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
 ENV_VARS = ("GATEWAY_HOST", "GATEWAY_PORT", "GATEWAY_STORE_URL", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")
@@ -36,8 +36,17 @@ def test_shipped_config_lists_every_key(monkeypatch: pytest.MonkeyPatch) -> None
     """Every key of Settings appears in config/gateway.yaml, so the file documents them all."""
     for var in ENV_VARS:
         monkeypatch.delenv(var, raising=False)
-    shipped = keys(yaml.safe_load(expand_env(SHIPPED.read_text(), {})))
+    shipped = keys(yaml.safe_load(SHIPPED.read_text()))
     assert keys(Settings().model_dump()) - shipped == set()
+
+
+def test_variables_in_comments_are_not_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commented-out example naming an unset variable never breaks loading; values are expanded."""
+    monkeypatch.delenv("GW_TEST_UNSET", raising=False)
+    monkeypatch.setenv("GW_TEST_URL", "redis://example:6379/0")
+    path = tmp_path / "gw.yaml"
+    path.write_text("# api_key: ${GW_TEST_UNSET}\nstore:\n  url: ${GW_TEST_URL}  # ${GW_TEST_UNSET}\n")
+    assert load_settings(path).store.url == "redis://example:6379/0"
 
 
 def test_env_expansion_with_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

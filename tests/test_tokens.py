@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
+import tiktoken
 
 from gateway import tokens
 from gateway.config import ModelSettings, Settings
@@ -64,10 +66,31 @@ def test_cache_path_follows_tiktoken(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert tokens.tiktoken_cache_path("u") is None
 
 
-@pytest.mark.skipif(not available_offline("o200k_base"), reason="o200k_base is not in tiktoken's cache here")
-def test_o200k_used_when_cached() -> None:
-    """With o200k's file cached, models configured for it count with o200k."""
-    assert TokenCounter(MODELS).encoding("gpt-4o-2024-08-06").name == "o200k_base"
+def test_o200k_used_for_its_models_when_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models configured for o200k count with o200k whenever tiktoken can load it without a download."""
+    loaded: list[str] = []
+    fallback = tiktoken.get_encoding(tokens.FALLBACK_ENCODING)
+
+    class Fake:
+        name = "o200k_base"
+
+        def encode_ordinary(self, text: str) -> list[int]:
+            return [0] * len(text)
+
+    def fake_get_encoding(name: str) -> Any:
+        loaded.append(name)
+        return Fake() if name == "o200k_base" else fallback
+
+    tokens.load_encoding.cache_clear()
+    monkeypatch.setattr(tokens, "available_offline", lambda name: name == "o200k_base")
+    monkeypatch.setattr(tokens.tiktoken, "get_encoding", fake_get_encoding)
+    try:
+        counter = TokenCounter(MODELS)
+        assert counter.encoding("gpt-4o-2024-08-06").name == "o200k_base"
+        assert counter.encoding("claude-sonnet-4-5").name == fallback.name
+        assert "o200k_base" in loaded
+    finally:
+        tokens.load_encoding.cache_clear()
 
 
 def test_special_token_text_is_plain_text() -> None:

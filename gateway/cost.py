@@ -1,0 +1,111 @@
+"""Forward the full history or the rewrite, whichever the provider will bill less.
+
+Providers bill a prompt's cached prefix at about a tenth of fresh input (`pricing.cache_read_factor`)
+and a newly cached part at a premium (`cache_write_factor`). A full history resent to a warm cache
+is cheap per request (0.1 x history), while a rewrite pays fresh input for its excerpts every
+request and rewrites its cached prefix after every fold. So below some history size the full
+history is the cheaper request, above it the rewrite is. This module decides, from what was
+forwarded last in the conversation and whether that cache is still warm.
+
+The comparison looks a few requests ahead (`horizon`): switching from full to rewritten costs one
+cold write of the rewrite, which the cheaper requests after it must pay back; a greedy next-request
+comparison would never switch until the history alone cost more than a cold rewrite.
+
+Pure: the caller keeps `Forwarded` records (per conversation, in process) and a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    """What a request carried upstream, as far as prompt caching is concerned.
+
+    A rewritten request is a sequence of items (a hash each: system, the state/summary block,
+    messages, the excerpts) with their tokens. A full request is identified by the chain hash of
+    its last message, which stands for its whole prefix: `items` is (system hash, that chain).
+    """
+
+    full: bool
+    items: tuple[str, ...]
+    tokens: tuple[int, ...]
+    at: float  # monotonic seconds
+
+    @property
+    def total(self) -> int:
+        return sum(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    read: float = 0.1  # cached prefix, per token, in fresh-input equivalents
+    write: float = 1.25  # the uncached rest (written to the cache for the next request)
+    ttl: float = 300.0  # seconds a provider keeps a prompt cache warm
+
+
+def warm(last: Forwarded | None, now: float, prices: Prices) -> bool:
+    return last is not None and now - last.at <= prices.ttl
+
+
+def billed(items: Sequence[str], tokens: Sequence[int], last: Forwarded | None, now: float,
+           prices: Prices) -> float:
+    """What sending `items` now would be billed: the common prefix with the last request is read
+    from the cache when that is still warm, the rest is written."""
+    total = sum(tokens)
+    if last is None or not warm(last, now, prices):
+        return prices.write * total
+    common = 0
+    for mine, theirs in zip(items, last.items, strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    cached = sum(tokens[:common])
+    return prices.read * cached + prices.write * (total - cached)
+
+
+def billed_full(system: tuple[str, int], history_tokens: int, chains: Sequence[str], last: Forwarded | None,
+                now: float, prices: Prices, *, cacheable: bool) -> float:
+    """What the full history would be billed now. `chains`: this request's chain hashes, by which a
+    previous full request is recognised as a prefix of this one."""
+    total = system[1] + history_tokens
+    if not cacheable:
+        return float(total)
+    if last is None or not warm(last, now, prices) or not last.items or last.items[0] != system[0]:
+        return prices.write * total
+    cached = system[1]
+    if last.full and len(last.items) == 2:
+        length_text, _, chain = last.items[1].partition(":")
+        length = int(length_text)
+        if 0 < length <= len(chains) and chains[length - 1] == chain:
+            cached = last.total
+    return prices.read * cached + prices.write * (total - cached)
+
+
+def full_record(system: tuple[str, int], length: int, chain: str, history_tokens: int, now: float) -> Forwarded:
+    return Forwarded(True, (system[0], f"{length}:{chain}"), (system[1], history_tokens), now)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    full: bool
+    full_cost: float
+    rewrite_cost: float
+
+
+def choose(*, full_now: float, rewrite_now: float, full_total: int, rewrite_total: int, new: int, volatile: int,
+           prices: Prices, horizon: int, full_cacheable: bool = True) -> Choice:
+    """Compare the next `horizon` requests under each mode, starting with this one.
+
+    After this request, a full request re-reads everything and writes only the next turn (`new`
+    tokens); a rewritten one re-reads its stable part and writes its `volatile` part (excerpts and
+    the newest turn) again. Ties go to the rewrite: smaller requests are faster too.
+    """
+    steady_full = prices.read * full_total + prices.write * new if full_cacheable else float(full_total)
+    steady_rewrite = prices.read * max(rewrite_total - volatile, 0) + prices.write * volatile
+    later = max(horizon - 1, 0)
+    full_cost = full_now + later * steady_full
+    rewrite_cost = rewrite_now + later * steady_rewrite
+    return Choice(full=full_cost < rewrite_cost, full_cost=full_cost, rewrite_cost=rewrite_cost)
