@@ -18,6 +18,10 @@ from gateway.model import ConversationView
 Action = Literal["new", "extend", "prefix", "branch", "delta", "need_chains"]
 HistoryMode = Literal["auto", "full", "delta"]
 
+# In mode "auto", a request of at most this many messages that does not start like the stored
+# conversation is taken for a delta client's new turns (a user message, or tool results).
+AUTO_DELTA_MAX = 4
+
 
 def chain_hashes(hashes: Sequence[str], prev: str = "") -> list[str]:
     """The chain hash of each message, continuing from `prev` (the chain before the first)."""
@@ -73,8 +77,11 @@ def reconcile(
 
     - "new": nothing stored yet. Every incoming message is new (base 0, new_from 0).
     - "delta": the client sends only its new turns (mode "delta"; or mode "auto" when incoming[0]
-      differs from the stored message 0 and there are fewer incoming messages than stored). They
-      go after the stored history: base = view.length, new_from = 0.
+      differs from the stored message 0 and the request is short: at most AUTO_DELTA_MAX messages
+      and fewer than stored). They go after the stored history: base = view.length, new_from = 0.
+      A longer request that does not start like the stored conversation is a full history that
+      replaces it (a branch at 0): appending it would duplicate a whole history on every request
+      of a client that reused a conversation id or edited its first message.
     - Otherwise the client sends its whole history:
       - "extend": the incoming chain at view.length-1 equals the stored last chain and there are
         more incoming messages: store incoming[view.length:] (base = new_from = view.length).
@@ -99,7 +106,8 @@ def reconcile(
     if length == 0:
         return Decision("new", base=0, new_from=0)
     last = view.last_chain or ""
-    if m == 0 or mode == "delta" or (mode == "auto" and incoming[0] != view.first_hash and m < length):
+    if m == 0 or mode == "delta" or (
+            mode == "auto" and incoming[0] != view.first_hash and m < length and m <= AUTO_DELTA_MAX):
         return Decision("delta", base=length, new_from=0, base_chain=last)
 
     if m > length and incoming_chains[length - 1] == last:

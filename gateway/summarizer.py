@@ -10,6 +10,7 @@ a client's credential is never stored to make that possible.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from functools import lru_cache
@@ -151,8 +152,10 @@ def _role_of(line: str) -> str:
     return m.group(1) if m else "user"
 
 
-def dedupe(lines: Sequence[str], threshold: float = 0.7) -> list[str]:
+def dedupe(lines: Sequence[str], threshold: float = 0.7, *, kept_first: Sequence[str] = ()) -> list[str]:
     """Drop lines that restate an earlier kept line (the first statement of a fact carries it).
+
+    `kept_first`: lines kept unconditionally ahead of `lines` (a previous summary).
 
     An inverted index over the kept lines' words finds the only lines that can reach the Jaccard
     threshold (they share at least threshold x the new line's words), so a fold over hundreds of
@@ -160,6 +163,10 @@ def dedupe(lines: Sequence[str], threshold: float = 0.7) -> list[str]:
     """
     kept: list[str] = []
     postings: dict[str, list[int]] = {}
+    for line in kept_first:  # kept as they are; new lines that restate them are dropped
+        for w in _signature(line)[0]:
+            postings.setdefault(w, []).append(len(kept))
+        kept.append(line)
     for line in lines:
         words, _ = _signature(line)
         overlap: dict[int, int] = {}
@@ -193,22 +200,27 @@ class ExtractiveSummarizer:
 
     async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
                         max_tokens: int) -> SummaryResult:
+        # CPU-bound (regexes over every sentence): in a thread, so a large fold never stalls the
+        # event loop that serves requests in `gateway serve`.
+        return await asyncio.to_thread(self._summarize, previous, turns)
+
+    @staticmethod
+    def _summarize(previous: str, turns: Sequence[Turn]) -> SummaryResult:
         old = [ln for ln in previous.splitlines() if ln.strip()]
         new = [line for _, line in extract_lines(turns)]
-        kept = list(old)
-        for line in new:
-            if not any(near_duplicate(line, k) for k in kept):
-                kept.append(line)
         # The cap (fold.cap_summary) decides what moves to Earlier; here nothing is lost.
-        return SummaryResult("\n".join(kept))
+        return SummaryResult("\n".join(dedupe(new, kept_first=old)))
 
     async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
-        lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
-        return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
+        def run() -> SummaryResult:
+            lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
+            return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
+
+        return await asyncio.to_thread(run)
 
     async def update_state(self, ledger: state.Ledger, turns: Sequence[Turn], start: int, *,
                            now: str | None = None) -> tuple[state.Ledger, int, int]:
-        return state.extract(ledger, turns, start, now=now), 0, 0
+        return await asyncio.to_thread(state.extract, ledger, turns, start, now=now), 0, 0
 
     async def close(self) -> None:
         return None

@@ -136,6 +136,15 @@ def test_delta_client_auto_detected() -> None:
     assert (d.action, d.base, d.new_from, d.base_chain) == ("delta", 10, 0, view.last_chain)
 
 
+def test_auto_mode_never_appends_a_whole_foreign_history() -> None:
+    """In auto mode a long history that does not start like the stored one replaces it (branch at 0):
+    a client that reused a conversation id must not get its history appended on every request."""
+    stored = [h(f"m{i}") for i in range(40)]
+    inc = [h(f"other{i}") for i in range(20)]
+    d = reconcile(inc, chain_hashes(inc), view_of(stored), "auto")
+    assert (d.action, d.branch_at) == ("branch", 0)
+
+
 def test_delta_mode_always_appends() -> None:
     """In delta mode incoming messages are always new, even when they repeat message 0."""
     inc = STORED[:2]
