@@ -26,7 +26,7 @@ from gateway.proxy import Call, GatewayError, Prepared
 from gateway.recall import RecallCache
 from gateway.reconcile import Decision, chain_hashes, reconcile
 from gateway.shape import Shape, content_hash, shape_for
-from gateway.store import Store, StoreUnavailable
+from gateway.store import AppendResult, Store, StoreUnavailable
 from gateway.tokens import TokenCounter
 
 log = structlog.get_logger("gateway.memory")
@@ -87,6 +87,7 @@ class Memory:
         # (tenant, conversation) → recent (start, stop, replied at) of the turns this process stored:
         # tells a concurrent sibling request from an edit (see `_siblings`).
         self._stored_runs: OrderedDict[tuple[str, str], list[tuple[int, int, float]]] = OrderedDict()
+        self._storing: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (turns, replied at) in flight
 
     def forget(self, ref: ConvRef) -> None:
         """Drop what this process caches about a deleted conversation."""
@@ -94,6 +95,7 @@ class Memory:
         for key in [k for k in self._hashes if k[:2] == (ref.tenant, ref.conversation)]:
             del self._hashes[key]
         self._stored_runs.pop((ref.tenant, ref.conversation), None)
+        self._storing.pop((ref.tenant, ref.conversation), None)
 
     # -- identify ---------------------------------------------------------------------------
 
@@ -403,27 +405,67 @@ class Memory:
         return tokens * self.settings.model(model).input_usd_per_mtok / 1_000_000
 
     def _siblings(self, ref: ConvRef, at: int, length: int, arrived: float) -> bool:
-        """Were stored messages [at, length) all stored by requests answered after `arrived`?"""
-        runs = self._stored_runs.get((ref.tenant, ref.conversation))
-        if not runs or at >= length:
-            return False
-        covered = at
-        for start, stop, replied in sorted(runs):
-            if start > covered:
-                break
-            if stop > covered:
-                if replied <= arrived:
-                    return False
-                covered = stop
-        return covered >= length
+        """Were stored messages [at, length) all stored by requests answered after `arrived`?
 
-    def _note_stored(self, ref: ConvRef, start: int, stop: int, replied: float) -> None:
+        Runs whose store call has not returned yet (`_storing`) may account for the positions no
+        known run covers.
+        """
         key = (ref.tenant, ref.conversation)
-        runs = [r for r in self._stored_runs.pop(key, []) if r[1] <= start]  # a branch replaced the rest
+        runs, storing = self._stored_runs.get(key, []), self._storing.get(key, [])
+        if at >= length or not (runs or storing):
+            return False
+        covered, gaps = at, 0
+        for start, stop, replied in sorted(runs):
+            if start >= length:
+                break
+            if stop <= covered:
+                continue
+            if replied <= arrived:
+                return False
+            gaps += max(0, start - covered)
+            covered = stop
+        gaps += max(0, length - covered)
+        return gaps <= sum(n for n, replied in storing if replied > arrived)
+
+    def _note_stored(self, ref: ConvRef, start: int, stop: int, replied: float, *, branched: bool) -> None:
+        key = (ref.tenant, ref.conversation)
+        runs = self._stored_runs.pop(key, [])
+        if branched:  # the branch replaced everything from `start` on
+            runs = [r for r in runs if r[1] <= start]
         runs.append((start, stop, replied))
         self._stored_runs[key] = runs[-64:]
         while len(self._stored_runs) > self._hash_cache_size:
             self._stored_runs.popitem(last=False)
+
+    async def _store_turns(self, req: _Request, reply: list[Turn], turns: list[Turn]) -> AppendResult | None:
+        """Append / branch as the decision says; None when there is nothing to store."""
+        shape, decision, view, ref = req.shape, req.decision, req.view, req.ref
+        result: AppendResult | None
+        if decision.action in ("new", "extend", "delta"):
+            result = await self.store.append(ref, turns, base_length=decision.base,
+                                             base_chain=decision.base_chain, dialect=shape.dialect)
+        elif decision.action == "prefix":
+            stored_next = decision.base - view.tail_start
+            same = bool(0 <= stored_next < len(view.tail) and reply
+                        and view.tail[stored_next].hash == reply[0].hash)
+            if reply and not same and stored_next < 0:
+                # The stored message at `base` is covered by the summary (not loaded): compare
+                # its chain, so a late retry of an old turn does not truncate the conversation.
+                expect = chain_hashes([reply[0].hash], prev=decision.base_chain)[0]
+                stored_chains = await self.store.chains(ref)
+                same = len(stored_chains) > decision.base and stored_chains[decision.base] == expect
+            if same or not reply:
+                result = None  # a retry that got the same answer: nothing to store twice
+            elif decision.base == view.length:
+                result = await self.store.append(ref, reply, base_length=decision.base,
+                                                 base_chain=decision.base_chain, dialect=shape.dialect)
+            else:
+                result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
+                                                 turns=reply, dialect=shape.dialect)
+        else:  # branch
+            result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
+                                             turns=turns, dialect=shape.dialect)
+        return result
 
     async def _record(self, req: _Request, items: list[dict[str, Any]], usage: Usage,
                       replied: float = 0.0) -> None:
@@ -431,31 +473,22 @@ class Memory:
         shape, decision, view, ref = req.shape, req.decision, req.view, req.ref
         reply = [self._turn(shape, raw, content_hash(shape, raw), req.model) for raw in items]
         turns = [*req.new_turns, *reply]
+        replied = replied or time.monotonic()
+        conv, storing = (ref.tenant, ref.conversation), (len(turns), replied)
+        self._storing.setdefault(conv, []).append(storing)
         try:
-            if decision.action in ("new", "extend", "delta"):
-                result = await self.store.append(ref, turns, base_length=decision.base,
-                                                 base_chain=decision.base_chain, dialect=shape.dialect)
-            elif decision.action == "prefix":
-                stored_next = decision.base - view.tail_start
-                same = bool(0 <= stored_next < len(view.tail) and reply
-                            and view.tail[stored_next].hash == reply[0].hash)
-                if reply and not same and stored_next < 0:
-                    # The stored message at `base` is covered by the summary (not loaded): compare
-                    # its chain, so a late retry of an old turn does not truncate the conversation.
-                    expect = chain_hashes([reply[0].hash], prev=decision.base_chain)[0]
-                    stored_chains = await self.store.chains(ref)
-                    same = len(stored_chains) > decision.base and stored_chains[decision.base] == expect
-                if same or not reply:
-                    result = None  # a retry that got the same answer: nothing to store twice
-                elif decision.base == view.length:
-                    result = await self.store.append(ref, reply, base_length=decision.base,
-                                                     base_chain=decision.base_chain, dialect=shape.dialect)
-                else:
-                    result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
-                                                     turns=reply, dialect=shape.dialect)
-            else:  # branch
-                result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
-                                                 turns=turns, dialect=shape.dialect)
+            try:
+                result = await self._store_turns(req, reply, turns)
+            finally:
+                pending = self._storing.get(conv, [])
+                if storing in pending:
+                    pending.remove(storing)
+                if not pending:
+                    self._storing.pop(conv, None)
+            if result is not None and result.ok and result.appended:
+                start = result.start if result.start >= 0 else result.length - result.appended
+                branched = decision.action == "branch" or (decision.action == "prefix" and decision.base < view.length)
+                self._note_stored(ref, start, start + result.appended, replied, branched=branched)
             plan = req.plan
             stats = {"requests": 1, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
                      "cache_read_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens}
@@ -470,8 +503,6 @@ class Memory:
                 self.tokens.calibrate(req.model, plan.tokens_forwarded, usage.input_tokens)
             length = result.length if result is not None else view.length
             if result is not None and result.appended:
-                start = result.start if result.start >= 0 else result.length - result.appended
-                self._note_stored(ref, start, start + result.appended, replied or time.monotonic())
                 key = self._recall_key(ref)
                 if decision.action in ("branch", "prefix"):
                     self.recall.truncate(key, decision.base)

@@ -490,8 +490,16 @@ class Store:
                 return False
             fields = {"t": ref.tenant, "c": ref.conversation, "p": ref.project or "", "u": "1" if urgent else "0"}
             try:
-                await self.redis.xadd(self.keys.fold_stream(), cast(Any, fields),
-                                      maxlen=self.FOLD_STREAM_MAXLEN, approximate=True)
+                stream = self.keys.fold_stream()
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    # The consumer group too (BUSYGROUP when it exists): a store restarted without
+                    # persistence has lost the stream and its group, and workers could never read
+                    # another job (NOGROUP) until something created the group again.
+                    pipe.xgroup_create(stream, Keys.FOLD_GROUP, id="0", mkstream=True)
+                    pipe.xadd(stream, cast(Any, fields), maxlen=self.FOLD_STREAM_MAXLEN, approximate=True)
+                    _, added = await pipe.execute(raise_on_error=False)
+                if isinstance(added, Exception):
+                    raise added
             except BaseException:
                 # The job was not queued: do not leave a flag that would block the next attempt.
                 await asyncio.shield(self.redis.hdel(self.keys.meta(ref), "q"))

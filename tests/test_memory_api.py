@@ -1,0 +1,168 @@
+"""The conversation API (/v1/conversations/{id}) on a live gateway: what it reports matches what the
+memory path does, and its edits reach the next forwarded request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from memory_helpers import (
+    Chat,
+    Gateway,
+    gw,  # noqa: F401 (fixture)
+    gw_redis,  # noqa: F401 (fixture)
+    plain,
+    reply_text,
+    store_url,  # noqa: F401 (fixture)
+    user_text,
+)
+
+
+async def _talk(chat: Chat, msgs: list[dict[str, Any]], turns: range, *, settle: bool = True) -> Any:
+    headers = None
+    for i in turns:
+        msgs.append({"role": "user", "content": user_text(i)})
+        headers, text = await chat.send(msgs)
+        msgs.append({"role": "assistant", "content": text})
+        if settle:
+            await chat.g.settle()
+    return headers
+
+
+def _is_openai_error(body: Any, kind: str = "invalid_request_error") -> bool:
+    return (isinstance(body, dict) and set(body) == {"error"} and body["error"]["type"] == kind
+            and isinstance(body["error"]["message"], str) and body["error"]["message"] != "")
+
+
+async def test_get_reports_stats_summary_state_and_window(gw: Gateway) -> None:  # noqa: F811
+    """GET /v1/conversations/{id} tells how many messages are stored, what the summary covers, which
+    messages are the verbatim window, and what the memory saved."""
+    gw.fake.responder = reply_text
+    chat, msgs = Chat(gw, "openai", "stats"), []
+    await _talk(chat, msgs, range(10))
+    status, info = await gw.api("GET", "stats")
+    assert status == 200
+    assert info["id"] == "stats" and info["dialect"] == "openai_chat" and info["messages"] == 20
+    assert info["tokens"] > 0 and info["fold_pending"] is False
+    summary = info["summary"]
+    assert summary["covers"] >= 12 and summary["version"] >= 1 and summary["edited"] is False
+    assert summary["tokens"] > 0 and "Turn 0" in summary["text"]
+    assert info["window"] == {"start": summary["covers"], "end": 20, "keep_recent": 4}
+    assert 20 - summary["covers"] >= 4
+    stats = info["stats"]
+    assert stats["requests"] == 10 and stats["input_tokens"] > 0 and stats["output_tokens"] > 0
+    assert stats["tokens_original"] - stats["tokens_forwarded"] == stats["tokens_saved"] > 0
+    assert isinstance(info["state"], dict) and isinstance(info["state_rendered"], str)
+    assert (await gw.api("GET", "never-used"))[0] == 404
+
+
+async def test_messages_pages_and_rejects_bad_bounds(gw_redis: Gateway) -> None:  # noqa: F811
+    """GET .../messages pages through the stored history with offset/limit; bad values are a 400."""
+    g = gw_redis
+    g.fake.responder = reply_text
+    chat, msgs = Chat(g, "anthropic", "pages"), []
+    await _talk(chat, msgs, range(5), settle=False)
+    status, page = await g.api("GET", "pages/messages?offset=3&limit=4")
+    assert status == 200 and page["total"] == 10 and page["offset"] == 3 and page["limit"] == 4
+    assert [d["index"] for d in page["data"]] == [3, 4, 5, 6]
+    assert plain([d["message"] for d in page["data"]]) == msgs[3:7]
+    assert [d["role"] for d in page["data"]] == ["assistant", "user", "assistant", "user"]
+    assert all(d["tokens"] > 0 and d["time"] for d in page["data"])
+    status, page = await g.api("GET", "pages/messages?offset=8")
+    assert status == 200 and [d["index"] for d in page["data"]] == [8, 9]
+    assert (await g.api("GET", "pages/messages?offset=50"))[1]["data"] == []
+    for query in ("offset=-1", "limit=0", "limit=1001", "offset=abc", "limit=1.5"):
+        status, body = await g.api("GET", f"pages/messages?{query}")
+        assert status == 400 and _is_openai_error(body), (query, body)
+
+
+async def test_put_state_reaches_the_next_request_and_survives_folds(gw: Gateway) -> None:  # noqa: F811
+    """Project state edited through the API is in the next forwarded request's state block and is still
+    there after later folds."""
+    gw.fake.responder = reply_text
+    chat, msgs = Chat(gw, "openai", "state"), []
+    await _talk(chat, msgs, range(5))
+    edits = {"decisions": ["Store conversations in Redis Cluster", "Fold with the extractive summarizer"],
+             "constraints": "Never send the API key to the summarizer"}
+    status, body = await gw.api("PUT", "state/state", json=edits)
+    assert status == 200 and "Store conversations in Redis Cluster" in str(body["state"])
+    headers = await _talk(chat, msgs, range(5, 6))
+    assert headers["x-gateway-context"] == "rewritten"
+    injected = chat.injected()
+    assert "## Project state" in injected
+    for text in ("Store conversations in Redis Cluster", "Fold with the extractive summarizer",
+                 "Never send the API key to the summarizer"):
+        assert text in injected
+    version = (await gw.api("GET", "state"))[1]["summary"]["version"]
+    await _talk(chat, msgs, range(6, 12))
+    _, info = await gw.api("GET", "state")
+    assert info["summary"]["version"] > version  # folds happened since the edit
+    assert "Never send the API key to the summarizer" in info["state_rendered"]
+    assert "Store conversations in Redis Cluster" in chat.injected()
+    assert (await gw.api("PUT", "state/state", json={"moods": ["x"]}))[0] == 400
+    assert (await gw.api("PUT", "state/state", json={"decisions": [1, 2]}))[0] == 400
+
+
+async def test_put_summary_is_used_by_the_next_request(gw_redis: Gateway) -> None:  # noqa: F811
+    """A summary written through the API replaces the generated one in the next forwarded request."""
+    g = gw_redis
+    g.fake.responder = reply_text
+    chat, msgs = Chat(g, "anthropic", "summ"), []
+    await _talk(chat, msgs, range(6))
+    _, before = await g.api("GET", "summ")
+    text = "The user is building a Redis-backed memory gateway and prefers terse answers."
+    status, body = await g.api("PUT", "summ/summary", json={"text": text})
+    assert status == 200 and body["summary"]["edited"] is True and body["summary"]["text"] == text
+    assert body["summary"]["covers"] == before["summary"]["covers"]
+    assert body["summary"]["version"] == before["summary"]["version"] + 1
+    headers = await _talk(chat, msgs, range(6, 7), settle=False)
+    assert headers["x-gateway-context"] == "rewritten"
+    assert text in chat.injected() and before["summary"]["text"] not in chat.injected()
+    _, after = await g.api("GET", "summ")
+    assert after["summary"]["edited"] is True and after["summary"]["text"] == text
+    for bad in ({"text": 5}, {"summary": "x"}, ["x"]):
+        status, err = await g.api("PUT", "summ/summary", json=bad)
+        assert status == 400 and _is_openai_error(err)
+
+
+async def test_post_fold_produces_a_summary(gw: Gateway) -> None:  # noqa: F811
+    """POST .../fold queues a fold now: after the workers settle the conversation has a summary."""
+    gw.fake.responder = reply_text
+    chat, msgs = Chat(gw, "openai", "fold"), []
+    await _talk(chat, msgs, range(3))
+    assert (await gw.api("GET", "fold"))[1]["summary"] is None  # too short to fold by itself
+    status, body = await gw.api("POST", "fold/fold")
+    assert status == 202 and body == {"queued": True}
+    await gw.settle()
+    _, info = await gw.api("GET", "fold")
+    assert info["summary"] is not None and info["summary"]["covers"] > 0 and "Turn 0" in info["summary"]["text"]
+    assert info["window"]["start"] == info["summary"]["covers"]
+
+
+async def test_delete_forgets_the_conversation(gw: Gateway) -> None:  # noqa: F811
+    """DELETE removes everything: GET is a 404 and the next request starts a fresh conversation."""
+    gw.fake.responder = reply_text
+    chat, msgs = Chat(gw, "openai", "gone"), []
+    await _talk(chat, msgs, range(8))
+    status, body = await gw.api("DELETE", "gone")
+    assert status == 200 and body == {"id": "gone", "deleted": True}
+    status, err = await gw.api("GET", "gone")
+    assert status == 404 and _is_openai_error(err, "not_found_error")
+    assert (await gw.api("GET", "gone/messages"))[1]["total"] == 0
+    fresh = [{"role": "user", "content": "A brand new start."}]
+    headers, text = await chat.send(fresh)
+    assert headers["x-gateway-context"] == "full" and plain(chat.forwarded()) == fresh
+    assert "Turn 0" not in str(gw.last(chat.path).body)
+    await gw.settle()
+    _, info = await gw.api("GET", "gone")
+    assert info["messages"] == 2 and info["summary"] is None and info["stats"]["requests"] == 1
+    assert plain(await chat.stored()) == [*fresh, {"role": "assistant", "content": text}]
+
+
+@pytest.mark.parametrize(("method", "path"), [("PUT", "state"), ("PUT", "summary")])
+async def test_bad_json_is_a_400_in_the_openai_shape(gw_redis: Gateway, method: str, path: str) -> None:  # noqa: F811
+    """A body that is not JSON gets a 400 with an OpenAI-style error object, not a 500."""
+    status, body = await gw_redis.api(method, f"any/{path}", data=b"{not json",
+                                      headers={"Content-Type": "application/json"})
+    assert status == 400 and _is_openai_error(body)
+    assert "not valid JSON" in body["error"]["message"]
