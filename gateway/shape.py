@@ -125,7 +125,13 @@ def content_hash(shape: Shape, raw: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------- OpenAI Chat Completions
 
-def _oa_parts(content: Any, parts: list[str]) -> None:
+_CHAT_TEXT = frozenset({"text"})
+_RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
+
+
+def _canon_parts(content: Any, parts: list[str], text_kinds: frozenset[str] = _CHAT_TEXT) -> None:
+    """Canonical form of a content string or part list (Chat and Responses differ only in which
+    part types carry text): text and refusals by value, any other part by its sorted JSON."""
     if isinstance(content, str):
         if content:
             parts.append("t:" + content)
@@ -136,7 +142,7 @@ def _oa_parts(content: Any, parts: list[str]) -> None:
         if not isinstance(p, dict):
             continue
         kind = p.get("type")
-        if kind == "text":
+        if kind in text_kinds:
             t = _str(p.get("text"))
             if t:
                 parts.append("t:" + t)
@@ -244,7 +250,7 @@ class OpenAIChatShape:
         call_id = raw.get("tool_call_id")
         if isinstance(call_id, str):
             parts.append("r:" + call_id)
-        _oa_parts(content, parts)
+        _canon_parts(content, parts)
         refusal = raw.get("refusal")
         if isinstance(refusal, str) and refusal:
             parts.append("f:" + refusal)
@@ -306,29 +312,6 @@ class OpenAIChatShape:
 
 
 # ---------------------------------------------------------------- OpenAI Responses
-
-
-def _rs_parts(content: Any, parts: list[str]) -> None:
-    if isinstance(content, str):
-        if content:
-            parts.append("t:" + content)
-        return
-    if not isinstance(content, list):
-        return
-    for p in content:
-        if not isinstance(p, dict):
-            continue
-        kind = p.get("type")
-        if kind in ("input_text", "output_text", "text"):
-            t = _str(p.get("text"))
-            if t:
-                parts.append("t:" + t)
-        elif kind == "refusal":
-            t = _str(p.get("refusal"))
-            if t:
-                parts.append("f:" + t)
-        else:
-            parts.append(_other(p))
 
 
 def _rs_text(content: Any) -> list[str]:
@@ -409,7 +392,7 @@ class ResponsesShape:
             return role + RS + "t:" + content if content else role
         if kind is None or kind == "message":
             parts: list[str] = []
-            _rs_parts(content, parts)
+            _canon_parts(content, parts, _RESPONSES_TEXT)
             return _join(_str(raw.get("role")), parts)
         if kind == "function_call":
             return _join("assistant", ["c:" + US.join(
@@ -420,7 +403,7 @@ class ResponsesShape:
         if kind in ("function_call_output", "custom_tool_call_output"):
             out = raw.get("output")
             nested: list[str] = []
-            _rs_parts(out, nested)
+            _canon_parts(out, nested, _RESPONSES_TEXT)
             return _join("tool", ["r:" + _str(raw.get("call_id")) + US + GS.join(nested)])
         if kind == "reasoning":
             # The id ties a reasoning item to its response; the summary is what it says.

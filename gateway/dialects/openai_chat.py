@@ -95,8 +95,9 @@ class ChatAccumulator:
         return [assistant_item("".join(self._text) or None, calls)], self._usage
 
 
-class OpenAIChat:
-    name: DialectName = "openai_chat"
+class OpenAIWire:
+    """What every OpenAI route shares: `stream: true` in the body, and the error shapes."""
+
     upstream = "openai"
 
     def is_stream(self, body: Mapping[str, Any]) -> bool:
@@ -107,6 +108,10 @@ class OpenAIChat:
 
     def stream_error_frame(self, message: str) -> bytes:
         return openai_stream_error_frame(message)
+
+
+class OpenAIChat(OpenAIWire):
+    name: DialectName = "openai_chat"
 
     def accumulator(self) -> ChatAccumulator:
         return ChatAccumulator()

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from gateway.dialects.base import SSEParser, as_int
-from gateway.dialects.openai_chat import openai_error_body, openai_stream_error_frame
+from gateway.dialects.openai_chat import OpenAIWire
 from gateway.model import DialectName, Usage
 
 
@@ -85,18 +85,8 @@ class ResponsesAccumulator:
                  "content": [{"type": "output_text", "text": text}]}], Usage()
 
 
-class OpenAIResponses:
+class OpenAIResponses(OpenAIWire):
     name: DialectName = "openai_responses"
-    upstream = "openai"
-
-    def is_stream(self, body: Mapping[str, Any]) -> bool:
-        return body.get("stream") is True
-
-    def error_body(self, status: int, type_: str, message: str) -> bytes:
-        return openai_error_body(status, type_, message)
-
-    def stream_error_frame(self, message: str) -> bytes:
-        return openai_stream_error_frame(message)
 
     def accumulator(self) -> ResponsesAccumulator:
         return ResponsesAccumulator()
