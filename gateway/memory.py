@@ -49,6 +49,7 @@ class _Request:
     new_turns: list[Turn]  # incoming messages not stored yet, in order
     plan: Plan | None
     system_hash: str = ""
+    summarizer_charge: int = 0  # summarizer tokens deducted from this request's savings
 
 
 def _now() -> str:
@@ -149,15 +150,20 @@ class Memory:
         except StoreUnavailable as exc:
             return self._degraded(call, shape, history, exc)
         req.plan = plan
+        # Savings are net of what folding cost: the summarizer tokens spent since the last request
+        # are charged once, against this request (0 with the extractive summarizer).
+        st = view.stats
+        req.summarizer_charge = max(0, st.get("summarizer_tokens_in", 0) + st.get("summarizer_tokens_out", 0)
+                                    - st.get("summarizer_tokens_charged", 0))
+        saved = plan.tokens_original - plan.tokens_forwarded - req.summarizer_charge
         headers = {
             "x-gateway-context": plan.kind,
             "x-gateway-tokens-original": str(plan.tokens_original),
             "x-gateway-tokens-forwarded": str(plan.tokens_forwarded),
-            "x-gateway-tokens-saved": str(plan.tokens_original - plan.tokens_forwarded),
+            "x-gateway-tokens-saved": str(saved),
         }
         if self.metrics is not None:
-            self.metrics.observe_tokens(plan.tokens_original, plan.tokens_forwarded,
-                                        self._usd(model, plan.tokens_original - plan.tokens_forwarded))
+            self.metrics.observe_tokens(plan.tokens_original, plan.tokens_forwarded, self._usd(model, saved))
         log.debug("memory.plan", conversation=ref.conversation, action=decision.action, kind=plan.kind,
                   ms=round((time.perf_counter() - started) * 1000, 3))
 
@@ -494,7 +500,8 @@ class Memory:
                      "cache_read_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens}
             if plan is not None:
                 stats |= {"tokens_original": plan.tokens_original, "tokens_forwarded": plan.tokens_forwarded,
-                          "tokens_saved": plan.tokens_original - plan.tokens_forwarded}
+                          "tokens_saved": plan.tokens_original - plan.tokens_forwarded - req.summarizer_charge,
+                          "summarizer_tokens_charged": req.summarizer_charge}
             await self.store.add_stats(ref, **stats)
             if result is not None and not result.ok:
                 log.info("memory.record_conflict", conversation=ref.conversation, reason=result.reason)

@@ -121,6 +121,7 @@ class FoldWorker:
         # many attempts; the conversation enqueues itself again on its next turn.
         self.max_attempts = w.max_failures * 3
         self._attempts: dict[str, int] = {}
+        self.busy = False  # a job is being handled (pool.stop lets it finish; idle workers are cancelled)
 
     # -- loop ------------------------------------------------------------------------------------
 
@@ -142,7 +143,11 @@ class FoldWorker:
                 if job is None:
                     await self._ack(job_id)  # a malformed or deleted entry: nothing to do
                     continue
-                await self.handle(job)
+                self.busy = True
+                try:
+                    await self.handle(job)
+                finally:
+                    self.busy = False
             except Exception as exc:  # the store is down: the loop outlives it, jobs stay queued
                 log.warning("fold.loop_error", error=type(exc).__name__, worker=self.name)
                 if burst:
@@ -425,11 +430,18 @@ class WorkerPool:
         return self
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Stop taking jobs, let running folds finish for up to `grace` seconds, then cancel them."""
+        """Stop taking jobs, let running folds finish for up to `grace` seconds, then cancel them.
+
+        Idle workers are cancelled at once: they only wait on a blocking read (up to a second on
+        Redis), and a job they were just handed stays pending in the group and is reclaimed.
+        """
         for w in self.workers:
             await w.stop()
         if not self.tasks:
             return
+        for w, task in zip(self.workers, self.tasks, strict=True):
+            if not w.busy:
+                task.cancel()
         _, still = await asyncio.wait(self.tasks, timeout=grace)
         for task in still:
             task.cancel()

@@ -3,13 +3,11 @@ front of a fake upstream, the official SDK clients, and the conversation API."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import aiohttp
 import anthropic
@@ -18,7 +16,6 @@ import pytest
 
 from gateway import worker
 from gateway.app import create_app, drain_background
-from gateway.config import MemorySettings
 from gateway.testing import FakeUpstream, Received, serve_app
 from gateway.tokens import TokenCounter
 
@@ -29,10 +26,8 @@ ANTHROPIC_MODEL = "claude-test"
 SYSTEM = "You are a careful assistant for the Memory Gateway project. Answer briefly."
 
 # Folds happen every few turns: 6 messages trigger a rewrite, the last 4 stay verbatim.
-SMALL: dict[str, Any] = {"message_threshold": 6, "keep_recent": 4, "fold_batch": 4}
-if "cost_model" in MemorySettings.model_fields:
-    # These tests are about the rewrite itself: it is not traded for a cached full history.
-    SMALL["cost_model"] = False
+# These tests are about the rewrite itself: it is not traded for a cached full history (cost_model).
+SMALL: dict[str, Any] = {"message_threshold": 6, "keep_recent": 4, "fold_batch": 4, "cost_model": False}
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -95,34 +90,13 @@ async def memory_gateway(store_url: str, *, memory: dict[str, Any] | None = None
         mem = _merge({**SMALL, "worker": {"retry_base_seconds": 0}}, memory or {})
         settings = fake.settings(store={"url": store_url}, memory=mem, **sections)
         app = create_app(settings)
-        pools: list[worker.WorkerPool] = []
-
-        def start_workers(*args: Any, **kwargs: Any) -> worker.WorkerPool:
-            pools.append(start(*args, **kwargs))
-            return pools[-1]
-
-        start = worker.start_workers
-        with mock.patch.object(worker, "start_workers", start_workers):
-            async with serve_app(app) as url, aiohttp.ClientSession() as http:
-                g = Gateway(app, url, fake, http)
-                try:
-                    yield g
-                finally:
-                    await g.close()
-                    await drain_background(app)
-                    # An idle worker sits in a 1 s blocking XREADGROUP on real Redis: end it now
-                    # rather than wait for the block at shutdown.
-                    for pool in pools:
-                        await _stop_idle(pool)
-
-
-async def _stop_idle(pool: worker.WorkerPool) -> None:
-    for w in pool.workers:
-        await w.stop()
-    _, still = await asyncio.wait(pool.tasks, timeout=0.05) if pool.tasks else (None, set())
-    for task in still:
-        task.cancel()
-    await asyncio.gather(*pool.tasks, return_exceptions=True)
+        async with serve_app(app) as url, aiohttp.ClientSession() as http:
+            g = Gateway(app, url, fake, http)
+            try:
+                yield g
+            finally:
+                await g.close()
+                await drain_background(app)
 
 
 @pytest.fixture(params=["redis", "memory"])
