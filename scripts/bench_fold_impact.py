@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,19 +47,11 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+# The process and text helpers are the overhead benchmark's (same folder).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overhead import _words, free_port, start, wait_up
+
 CONV_PREFIX = "fold-impact-"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _words(rng: random.Random, n: int) -> str:
-    # Zipf-like draws from a 5,000-word vocabulary (as in bench_overhead.py): the shape of real text,
-    # so the retrieval index and the extractive summarizer see realistic word distributions.
-    return " ".join(f"w{min(int(rng.paretovariate(1.1)), 5000)}" for _ in range(n))
 
 
 def user_messages(seed: int, conversation: int, turns: int, lo: int, hi: int) -> list[str]:
@@ -85,10 +76,6 @@ class Result:
     summarizer: str = "none (in_process 0)"
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
 def stop(*procs: subprocess.Popen[bytes]) -> None:
     for proc in procs:
         if proc.poll() is None:
@@ -99,20 +86,6 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-async def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(300):
-            if proc.poll() is not None:
-                raise SystemExit(f"process exited early: {proc.args!r}")
-            try:
-                async with s.get(url) as r:
-                    await r.read()
-                    return
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
-    raise SystemExit(f"{url} did not come up")
 
 
 async def flush_store(url: str) -> None:

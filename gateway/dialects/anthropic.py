@@ -55,13 +55,7 @@ class MessagesAccumulator:
         self._usage: dict[str, Any] = {}
 
     def feed(self, chunk: bytes) -> None:
-        for _event, data in self._parser.feed(chunk):
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
-                continue
+        for obj in self._parser.objects(chunk):
             kind = obj.get("type")
             if kind == "content_block_delta":
                 self._delta(obj.get("index", 0), obj.get("delta") or {})

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol
 
+import orjson
+
 from gateway.model import DialectName, Usage
 
 UpstreamName = Literal["openai", "anthropic"]
@@ -71,6 +73,18 @@ class SSEParser:
                     event = line[6:].strip().decode("utf-8", "replace")
             if data:
                 out.append((event, b"\n".join(data)))
+        return out
+
+    def objects(self, chunk: bytes) -> list[dict[str, Any]]:
+        """The JSON objects carried by the complete events in `chunk` (`[DONE]` and junk skipped)."""
+        out: list[dict[str, Any]] = []
+        for _event, data in self.feed(chunk):
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue  # "[DONE]", or a frame we cannot read: the relay already passed it on
+            if isinstance(obj, dict):
+                out.append(obj)
         return out
 
 

@@ -60,15 +60,7 @@ class ChatAccumulator:
         self._usage = Usage()
 
     def feed(self, chunk: bytes) -> None:
-        for _event, data in self._parser.feed(chunk):
-            if data == b"[DONE]":
-                continue
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
-                continue
+        for obj in self._parser.objects(chunk):
             if obj.get("usage"):
                 self._usage = openai_usage(obj["usage"])
             for choice in obj.get("choices") or ():

@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
-
 from gateway.dialects.base import SSEParser, as_int
 from gateway.dialects.openai_chat import OpenAIWire
 from gateway.model import DialectName, Usage
@@ -62,13 +60,7 @@ class ResponsesAccumulator:
         self._text: list[str] = []
 
     def feed(self, chunk: bytes) -> None:
-        for _event, data in self._parser.feed(chunk):
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(obj, dict):
-                continue
+        for obj in self._parser.objects(chunk):
             kind = obj.get("type")
             if kind == "response.output_text.delta":
                 self._text.append(obj.get("delta") or "")
