@@ -60,6 +60,19 @@ def _digest(text: str) -> str:
     return blake2b(text.encode(), digest_size=12).hexdigest()
 
 
+def _key(ref: ConvRef) -> tuple[str, str]:
+    """The in-process caches' key for a conversation."""
+    return (ref.tenant, ref.conversation)
+
+
+def _bounded_put(cache: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
+    """Insert or refresh `key` as most recent, evicting the least recent past `limit`."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
 def _header(headers: Any, names: Sequence[str]) -> str | None:
     for name in names:
         value = headers.get(name)
@@ -82,7 +95,7 @@ class Memory:
         # (tenant, conversation, dialect) → the last request's messages and their hashes.
         self._hashes: OrderedDict[tuple[str, str, str], tuple[list[dict[str, Any]], list[str], list[str]]] = (
             OrderedDict())
-        self._hash_cache_size = 256
+        self._cache_size = 256  # conversations each in-process cache keeps
         # What each conversation's last request carried, for the prompt-cache cost model.
         self._forwarded: OrderedDict[tuple[str, str], cost.Forwarded] = OrderedDict()
         # (tenant, conversation) → recent (start, stop, replied at) of the turns this process stored:
@@ -92,11 +105,12 @@ class Memory:
 
     def forget(self, ref: ConvRef) -> None:
         """Drop what this process caches about a deleted conversation."""
-        self.recall.forget(self._recall_key(ref))
-        for key in [k for k in self._hashes if k[:2] == (ref.tenant, ref.conversation)]:
+        conv = _key(ref)
+        self.recall.forget(conv)
+        for key in [k for k in self._hashes if k[:2] == conv]:
             del self._hashes[key]
-        self._stored_runs.pop((ref.tenant, ref.conversation), None)
-        self._storing.pop((ref.tenant, ref.conversation), None)
+        for cache in (self._forwarded, self._stored_runs, self._storing):
+            cache.pop(conv, None)
 
     # -- identify ---------------------------------------------------------------------------
 
@@ -181,11 +195,10 @@ class Memory:
         same hash, so only the messages that are new or changed are canonicalised and hashed:
         a 500-message history costs about as much as a 10-message one.
         """
-        key = (ref.tenant, ref.conversation, shape.dialect)
+        key = (*_key(ref), shape.dialect)
         cached = self._hashes.get(key)
         same = 0
         if cached is not None:
-            self._hashes.move_to_end(key)
             raws, old_hashes, old_chains = cached
             limit = min(len(raws), len(history))
             while same < limit and history[same] == raws[same]:
@@ -196,9 +209,7 @@ class Memory:
         fresh = [content_hash(shape, m) for m in history[same:]]
         hashes += fresh
         chains += chain_hashes(fresh, prev=chains[-1] if chains else "")
-        self._hashes[key] = (history, hashes, chains)
-        while len(self._hashes) > self._hash_cache_size:
-            self._hashes.popitem(last=False)
+        _bounded_put(self._hashes, key, (history, hashes, chains), self._cache_size)
         return hashes, chains
 
     # -- plan -------------------------------------------------------------------------------
@@ -226,9 +237,8 @@ class Memory:
         key = hash((text, model))
         n = self._system_tokens.get(key)
         if n is None:
-            n = self._system_tokens[key] = self.tokens.count(text, model)
-            if len(self._system_tokens) > 4096:
-                self._system_tokens.popitem(last=False)
+            n = self.tokens.count(text, model)
+            _bounded_put(self._system_tokens, key, n, 4096)
         return n
 
     async def _plan(self, call: Call, req: _Request, history: list[dict[str, Any]]) -> tuple[Plan, bytes | None]:
@@ -251,8 +261,8 @@ class Memory:
         else:
             stored = view.tail[: base - view.tail_start]
             if client_sent_all:
-                offset = decision.new_from - base
-                tail = [Turn(raw=history[offset + view.tail_start + i], role=t.role, text=t.text,
+                # A full-history client's message i is stored position i: forward its own bytes.
+                tail = [Turn(raw=history[view.tail_start + i], role=t.role, text=t.text,
                              tokens=t.tokens, hash=t.hash, chain=t.chain, time=t.time)
                         for i, t in enumerate(stored)]
             else:
@@ -277,8 +287,9 @@ class Memory:
             rendered = state.render(ledger, mem.state_budget_tokens, lambda s: self.tokens.count(s, req.model))
             if rendered:
                 state_block = mem.templates.state.format(state=rendered)
+        state_tokens = self.tokens.count(state_block, req.model) if state_block else 0
 
-        key = self._recall_key(req.ref)
+        key = _key(req.ref)
         if mem.retrieval.enabled and tail_start > 0:
             await self.recall.sync(key, view.tail[: max(0, base - view.tail_start)], view.tail_start,
                                    lambda a, b: self.store.messages(req.ref, a, b))
@@ -301,8 +312,7 @@ class Memory:
         plan = context.build_plan(
             shape, head=view.head if tail_start > 0 else [], tail=tail, tail_start=tail_start,
             total_messages=total_messages, total_tokens=total_tokens, system_tokens=system_tokens,
-            summary=summary, state_block=state_block,
-            state_tokens=self.tokens.count(state_block, req.model) if state_block else 0,
+            summary=summary, state_block=state_block, state_tokens=state_tokens,
             settings=mem, context_budget=budget, count=lambda s: self.tokens.count(s, req.model),
             recall=recall,
         )
@@ -310,9 +320,11 @@ class Memory:
             raise GatewayError(400, "invalid_request_error",
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
                                f"the {budget} this model's context window allows after max output tokens")
-        if plan.kind == "rewritten" and client_sent_all and mem.cost_model and total_tokens + system_tokens <= budget:
-            plan = self._cheaper(call, req, plan, tail, system_tokens, total_tokens, state_block, summary)
-        self._remember_forwarded(req, plan, tail, system_tokens, total_tokens, summary, state_block)
+        items = (self._rewrite_items(req, plan, tail, system_tokens, state_tokens, summary)
+                 if plan.kind == "rewritten" else None)
+        if items is not None and client_sent_all and mem.cost_model and total_tokens + system_tokens <= budget:
+            plan = self._cheaper(call, req, plan, tail, system_tokens, total_tokens, items)
+        self._remember_forwarded(req, plan, system_tokens, total_tokens, items)
         if plan.kind == "full" and client_sent_all:
             return plan, None
         rendered_body = shape.render(call.body, plan, cache_control=mem.cache_control)
@@ -324,13 +336,13 @@ class Memory:
         p = self.settings.pricing
         return cost.Prices(read=p.cache_read_factor, write=p.cache_write_factor, ttl=p.cache_ttl_seconds)
 
-    def _rewrite_items(self, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
-                       summary: Summary | None, state_block: str) -> tuple[list[str], list[int], int]:
+    def _rewrite_items(self, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int, state_tokens: int,
+                       summary: Summary | None) -> tuple[list[str], list[int], int]:
         """The rewritten request as prompt-cache items, and its volatile tokens (excerpts onwards)."""
         window = tail[len(tail) - len(plan.window):] if plan.window else []
         blocks = plan.state_block + "\x1f" + plan.summary_block
         block_tokens = (summary.tokens if summary is not None and plan.summary_block else 0)
-        block_tokens += self.tokens.count(state_block, req.model) if plan.state_block else 0
+        block_tokens += state_tokens if plan.state_block else 0
         items = [req.system_hash, _digest(blocks)] + [t.hash for t in req.view.head[: len(plan.head)]]
         tokens = [system_tokens, block_tokens] + [t.tokens for t in req.view.head[: len(plan.head)]]
         if plan.omitted_marker:
@@ -349,21 +361,20 @@ class Memory:
         return items, tokens, excerpts + sum(t.tokens for t in window[cut:])
 
     def _cheaper(self, call: Call, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
-                 total_tokens: int, state_block: str, summary: Summary | None) -> Plan:
+                 total_tokens: int, rewrite: tuple[list[str], list[int], int]) -> Plan:
         """The rewrite, unless the full history would be billed less once prompt caching counts."""
         prices = self._prices()
         now = time.monotonic()
-        last = self._forwarded.get(self._cost_key(req.ref))
-        system = (req.system_hash, system_tokens)
+        last = self._forwarded.get(_key(req.ref))
         # OpenAI caches long prompt prefixes by itself; Anthropic only up to a client's breakpoint.
         cacheable = req.shape.dialect != "anthropic" or b"cache_control" in call.raw
-        full_now = cost.billed_full(system, total_tokens, req.chains, last, now, prices,
+        full_now = cost.billed_full((req.system_hash, system_tokens), total_tokens, req.chains, last, now, prices,
                                     cacheable=cacheable)
-        items, tokens, volatile = self._rewrite_items(req, plan, tail, system_tokens, summary, state_block)
-        rewrite_now = cost.billed(items, tokens, last, now, prices)
+        items, tokens, volatile = rewrite
         choice = cost.choose(
-            full_now=full_now, rewrite_now=rewrite_now, full_total=system_tokens + total_tokens,
-            rewrite_total=sum(tokens), new=2 * sum(t.tokens for t in req.new_turns), volatile=volatile,
+            full_now=full_now, rewrite_now=cost.billed(items, tokens, last, now, prices),
+            full_total=system_tokens + total_tokens, rewrite_total=sum(tokens),
+            new=2 * sum(t.tokens for t in req.new_turns), volatile=volatile,
             prices=prices, horizon=max(2, self.settings.memory.fold_batch // 2), full_cacheable=cacheable)
         if not choice.full:
             return plan
@@ -371,24 +382,16 @@ class Memory:
                     window=[t.raw for t in tail], excerpts_block="", tokens_original=plan.tokens_original,
                     tokens_forwarded=plan.tokens_original)
 
-    def _remember_forwarded(self, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
-                            total_tokens: int, summary: Summary | None, state_block: str) -> None:
+    def _remember_forwarded(self, req: _Request, plan: Plan, system_tokens: int, total_tokens: int,
+                            rewrite: tuple[list[str], list[int], int] | None) -> None:
+        """What this request carries upstream, for the next request's cost estimate."""
         now = time.monotonic()
-        key = self._cost_key(req.ref)
-        if plan.kind == "full":
+        if plan.kind == "rewritten" and rewrite is not None:
+            record = cost.Forwarded(False, tuple(rewrite[0]), tuple(rewrite[1]), now)
+        else:
             record = cost.full_record((req.system_hash, system_tokens), len(req.incoming),
                                       req.chains[-1] if req.chains else "", total_tokens, now)
-        else:
-            items, tokens, _ = self._rewrite_items(req, plan, tail, system_tokens, summary, state_block)
-            record = cost.Forwarded(False, tuple(items), tuple(tokens), now)
-        self._forwarded[key] = record
-        self._forwarded.move_to_end(key)
-        while len(self._forwarded) > self._hash_cache_size:
-            self._forwarded.popitem(last=False)
-
-    @staticmethod
-    def _cost_key(ref: ConvRef) -> tuple[str, str]:
-        return (ref.tenant, ref.conversation)
+        _bounded_put(self._forwarded, _key(req.ref), record, self._cache_size)
 
     def _degraded(self, call: Call, shape: Shape, history: list[dict[str, Any]], exc: Exception) -> Prepared:
         if self.metrics is not None:
@@ -403,10 +406,6 @@ class Memory:
 
     # -- record -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _recall_key(ref: ConvRef) -> str:
-        return f"{ref.tenant}\x1f{ref.conversation}"
-
     def _usd(self, model: str | None, tokens: int) -> float:
         return tokens * self.settings.model(model).input_usd_per_mtok / 1_000_000
 
@@ -416,7 +415,7 @@ class Memory:
         Runs whose store call has not returned yet (`_storing`) may account for the positions no
         known run covers.
         """
-        key = (ref.tenant, ref.conversation)
+        key = _key(ref)
         runs, storing = self._stored_runs.get(key, []), self._storing.get(key, [])
         if at >= length or not (runs or storing):
             return False
@@ -434,14 +433,12 @@ class Memory:
         return gaps <= sum(n for n, replied in storing if replied > arrived)
 
     def _note_stored(self, ref: ConvRef, start: int, stop: int, replied: float, *, branched: bool) -> None:
-        key = (ref.tenant, ref.conversation)
-        runs = self._stored_runs.pop(key, [])
+        key = _key(ref)
+        runs = self._stored_runs.get(key, [])
         if branched:  # the branch replaced everything from `start` on
             runs = [r for r in runs if r[1] <= start]
         runs.append((start, stop, replied))
-        self._stored_runs[key] = runs[-64:]
-        while len(self._stored_runs) > self._hash_cache_size:
-            self._stored_runs.popitem(last=False)
+        _bounded_put(self._stored_runs, key, runs[-64:], self._cache_size)
 
     async def _store_turns(self, req: _Request, reply: list[Turn], turns: list[Turn]) -> AppendResult | None:
         """Append / branch as the decision says; None when there is nothing to store."""
@@ -480,7 +477,7 @@ class Memory:
         reply = [self._turn(shape, raw, content_hash(shape, raw), req.model) for raw in items]
         turns = [*req.new_turns, *reply]
         replied = replied or time.monotonic()
-        conv, storing = (ref.tenant, ref.conversation), (len(turns), replied)
+        conv, storing = _key(ref), (len(turns), replied)
         self._storing.setdefault(conv, []).append(storing)
         try:
             try:
@@ -509,10 +506,8 @@ class Memory:
             if plan is not None and usage.input_tokens and plan.kind != "passthrough":
                 self.tokens.calibrate(req.model, plan.tokens_forwarded, usage.input_tokens)
             length = result.length if result is not None else view.length
-            if result is not None and result.appended:
-                key = self._recall_key(ref)
-                if decision.action in ("branch", "prefix"):
-                    self.recall.truncate(key, decision.base)
+            if result is not None and result.appended and decision.action in ("branch", "prefix"):
+                self.recall.truncate(_key(ref), decision.base)
             await self._maybe_fold(req, length, urgent=bool(plan and plan.urgent_fold))
         except StoreUnavailable as exc:
             if self.metrics is not None:

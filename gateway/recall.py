@@ -10,7 +10,7 @@ conversations are evicted past `max_conversations`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.model import Turn
@@ -44,10 +44,10 @@ class Recalled:
 
 class RecallCache:
     def __init__(self, max_conversations: int = 512) -> None:
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._max = max_conversations
 
-    def _entry(self, key: str) -> _Entry:
+    def _entry(self, key: Hashable) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
@@ -57,7 +57,7 @@ class RecallCache:
             self._entries.move_to_end(key)
         return entry
 
-    def forget(self, key: str) -> None:
+    def forget(self, key: Hashable) -> None:
         self._entries.pop(key, None)
 
     def _add(self, entry: _Entry, turns: Sequence[Turn]) -> None:
@@ -72,7 +72,7 @@ class RecallCache:
             entry.tokens.append(turn.tokens)
             entry.chains.append(turn.chain)
 
-    def truncate(self, key: str, length: int) -> None:
+    def truncate(self, key: Hashable, length: int) -> None:
         """The conversation branched at `length`: positions from there on are no longer history."""
         entry = self._entries.get(key)
         if entry is not None and len(entry.texts) > length:
@@ -80,17 +80,7 @@ class RecallCache:
             for column in (entry.texts, entry.roles, entry.times, entry.tokens, entry.chains):
                 del column[length:]
 
-    def extend(self, key: str, start: int, turns: Sequence[Turn]) -> None:
-        """Index turns just recorded at `start` when they continue what this process has indexed."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return
-        if start < len(entry.texts):
-            self.truncate(key, start)
-        if start == len(entry.texts):
-            self._add(entry, turns)
-
-    async def sync(self, key: str, tail: Sequence[Turn], tail_start: int, fetch: FetchTurns) -> None:
+    async def sync(self, key: Hashable, tail: Sequence[Turn], tail_start: int, fetch: FetchTurns) -> None:
         """Make every stored position [0, tail_start + len(tail)) searchable.
 
         The tail was just loaded, so only positions before it that this process has never seen
@@ -113,7 +103,7 @@ class RecallCache:
 
     def search(
         self,
-        key: str,
+        key: Hashable,
         *,
         query: str,
         before: int,
