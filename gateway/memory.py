@@ -508,15 +508,21 @@ class Memory:
             length = result.length if result is not None else view.length
             if result is not None and result.appended and decision.action in ("branch", "prefix"):
                 self.recall.truncate(_key(ref), decision.base)
-            await self._maybe_fold(req, length, urgent=bool(plan and plan.urgent_fold))
+            await self._maybe_fold(req, length, turns, urgent=bool(plan and plan.urgent_fold))
         except StoreUnavailable as exc:
             if self.metrics is not None:
                 self.metrics.store_errors_total.inc()
             log.warning("memory.record_failed", conversation=ref.conversation, error=type(exc).__name__)
 
-    async def _maybe_fold(self, req: _Request, length: int, *, urgent: bool) -> None:
+    async def _maybe_fold(self, req: _Request, length: int, turns: list[Turn], *, urgent: bool) -> None:
         mem = self.settings.memory
-        covers = req.view.summary.covers if req.view.summary else 0
+        view = req.view
+        covers = view.summary.covers if view.summary else 0
+        # The unsummarised messages as far as this request knows them (stored tail, then its own
+        # turns): the older ones beyond the window are what a fold would take, by tokens too.
+        unsummarised = [*view.tail[: max(0, req.decision.base - view.tail_start)], *turns]
+        aged = unsummarised[: max(0, len(unsummarised) - mem.keep_recent)]
         if urgent or fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent,
-                                      fold_batch=mem.fold_batch):
+                                      fold_batch=mem.fold_batch, aged_tokens=sum(t.tokens for t in aged),
+                                      fold_tokens=mem.fold_tokens):
             await self.store.enqueue_fold(req.ref, urgent=urgent)

@@ -41,3 +41,19 @@ async def test_saved_tokens_are_net_of_summarizer_cost(redis_url: str) -> None:
         assert int(second["x-gateway-tokens-saved"]) == gross2  # charged once, not again
         stats = await store.stats(ref)
         assert stats["summarizer_tokens_charged"] == 150
+
+
+async def test_long_turns_fold_by_tokens_before_the_message_batch(redis_url: str) -> None:
+    """Messages aged out of the window fold once their tokens reach memory.fold_tokens, even when
+    fewer than memory.fold_batch messages have aged out."""
+    async with memory_gateway(redis_url, memory={"fold_batch": 50, "fold_tokens": 300, "keep_recent": 4}) as g:
+        client = g.openai()
+        history: list[dict[str, Any]] = []
+        for i in range(5):  # 10 messages: 6 aged out, far below fold_batch, far above 300 tokens
+            history.append({"role": "user", "content": f"{user_text(i)} " + "details " * 80})
+            _, reply = await openai_turn(g, client, "by-tokens", history)
+            history.append({"role": "assistant", "content": reply})
+        await g.settle()
+        status, info = await g.api("GET", "by-tokens")
+        assert status == 200
+        assert info["summary"] is not None and info["summary"]["covers"] >= 4
