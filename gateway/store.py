@@ -91,6 +91,16 @@ end
 
 # Appends ARGV[off], ARGV[off+1] ... as (hash, record) pairs after chain `prev`; returns the new
 # last chain. RPUSH in batches: Lua 5.1's unpack() is bounded by the C stack (~8000 values).
+# The optimistic check of append and branch: the history still has `chain` at position pos-1.
+_BASE = """
+local function on_base(len, pos, chain)
+  return pos <= len and (pos == 0 or redis.call('LINDEX', KEYS[3], pos - 1) == chain)
+end
+local function refused(len)
+  return {0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1}
+end
+"""
+
 _PUSH = """
 local function push(prev, off, n)
   local recs, chs = {}, {}
@@ -133,13 +143,11 @@ return {len, meta, summ, state, first, tail, redis.call('HGETALL', KEYS[5]), cov
 
 # ARGV: ttl, base_length, base_chain, dialect, tokens, then (hash, record) pairs.
 # Returns {ok, length, appended, reason, last chain, start}.
-_APPEND = _TOUCH + _PUSH + """
+_APPEND = _TOUCH + _PUSH + _BASE + """
 local ttl, base, bchain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local n = (#ARGV - 5) / 2
 local len = redis.call('LLEN', KEYS[3])
-if base > len or (base > 0 and redis.call('LINDEX', KEYS[3], base - 1) ~= bchain) then
-  return {0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1}
-end
+if not on_base(len, base, bchain) then return refused(len) end
 -- Idempotent retry: the same run of turns already stored anywhere after the base (a retried
 -- request whose first attempt was recorded, possibly after concurrent requests' turns).
 if n > 0 and len - base >= n then
@@ -171,13 +179,11 @@ return {1, len + n, n, '', last, len}
 """
 
 # ARGV: ttl, at, base_chain, dialect, tokens, then (hash, record) pairs.
-_BRANCH = _TOUCH + _PUSH + """
+_BRANCH = _TOUCH + _PUSH + _BASE + """
 local ttl, at, bchain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local n = (#ARGV - 5) / 2
 local len = redis.call('LLEN', KEYS[3])
-if at > len or (at > 0 and redis.call('LINDEX', KEYS[3], at - 1) ~= bchain) then
-  return {0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1}
-end
+if not on_base(len, at, bchain) then return refused(len) end
 local dropped = 0
 if at < len then
   for _, rec in ipairs(redis.call('LRANGE', KEYS[2], at, -1)) do
