@@ -18,11 +18,22 @@ from aiohttp import web
 from gateway import state
 from gateway.auth import Authenticator, AuthError, presented_credential
 from gateway.keys import ConvRef
+from gateway.model import Summary
 from gateway.proxy import GatewayError
 from gateway.store import Store, StoreUnavailable
 
 ADMIN_TENANT_HEADER = "X-Gateway-Tenant"
 MAX_PAGE = 1000
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    # orjson: stored messages and ledgers can be large, and the stdlib encoder is several times slower.
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _summary_json(summary: Summary, edited: bool) -> dict[str, Any]:
+    return {"text": summary.text, "covers": summary.covers, "version": summary.version,
+            "tokens": summary.tokens, "edited": edited}
 
 
 class ConversationAPI:
@@ -82,21 +93,19 @@ class ConversationAPI:
             raise GatewayError(404, "not_found_error", f"no conversation {ref.conversation!r} for this credential")
         covers = summary.covers if summary else 0
         ledger = state.load(view.state)
-        return web.json_response({
+        return _json({
             "id": ref.conversation,
             "project": ref.project,
             "dialect": view.dialect,
             "messages": view.length,
             "tokens": view.tokens_total,
-            "summary": None if summary is None else {
-                "text": summary.text, "covers": summary.covers, "version": summary.version,
-                "tokens": summary.tokens, "edited": edited},
+            "summary": None if summary is None else _summary_json(summary, edited),
             "state": ledger.model_dump(mode="json"),
             "state_rendered": state.render(ledger, mem.state_budget_tokens, self._count),
             "window": {"start": covers, "end": view.length, "keep_recent": mem.keep_recent},
             "fold_pending": view.fold_pending,
             "stats": view.stats,
-        }, dumps=lambda o: orjson.dumps(o).decode())
+        })
 
     async def messages(self, request: web.Request) -> web.Response:
         ref = self._ref(request)
@@ -109,11 +118,11 @@ class ConversationAPI:
             raise GatewayError(400, "invalid_request_error", f"offset must be >= 0 and limit within 1..{MAX_PAGE}")
         view = await self._guard(self.store.load(ref, head=0))
         turns = await self._guard(self.store.messages(ref, offset, min(offset + limit, view.length)))
-        return web.json_response({
+        return _json({
             "object": "list", "total": view.length, "offset": offset, "limit": limit,
             "data": [{"index": offset + i, "role": t.role, "message": t.raw, "tokens": t.tokens, "time": t.time}
                      for i, t in enumerate(turns)],
-        }, dumps=lambda o: orjson.dumps(o).decode())
+        })
 
     async def put_state(self, request: web.Request) -> web.Response:
         ref = self._ref(request)
@@ -133,8 +142,7 @@ class ConversationAPI:
             data, version = await self._guard(self.store.get_state(ref))
             ledger = state.apply_edits(state.load(data), edits, time=now)
             if await self._guard(self.store.put_state(ref, ledger.model_dump(mode="json"), expect_version=version)):
-                return web.json_response({"state": ledger.model_dump(mode="json")},
-                                         dumps=lambda o: orjson.dumps(o).decode())
+                return _json({"state": ledger.model_dump(mode="json")})
             await asyncio.sleep(0.01)
         raise GatewayError(409, "conflict_error", "the state kept changing; try again")
 
@@ -145,13 +153,12 @@ class ConversationAPI:
         if not isinstance(text, str):
             raise GatewayError(400, "invalid_request_error", 'body must be {"text": "<summary>"}')
         summary = await self._guard(self.store.put_summary(ref, text, self._count(text)))
-        return web.json_response({"summary": {"text": summary.text, "covers": summary.covers,
-                                              "version": summary.version, "tokens": summary.tokens, "edited": True}})
+        return _json({"summary": _summary_json(summary, True)})
 
     async def fold(self, request: web.Request) -> web.Response:
         ref = self._ref(request)
         queued = await self._guard(self.store.enqueue_fold(ref, urgent=True))
-        return web.json_response({"queued": queued}, status=202)
+        return _json({"queued": queued}, status=202)
 
     async def delete(self, request: web.Request) -> web.Response:
         ref = self._ref(request)
@@ -159,7 +166,7 @@ class ConversationAPI:
         hook = self.app[self._hook_key]
         if hook is not None and hasattr(hook, "forget"):
             hook.forget(ref)
-        return web.json_response({"id": ref.conversation, "deleted": True})
+        return _json({"id": ref.conversation, "deleted": True})
 
 
 def routes(api: ConversationAPI) -> list[tuple[str, str, Any]]:
