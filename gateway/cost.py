@@ -26,13 +26,15 @@ class Forwarded:
 
     A rewritten request is a sequence of items (a hash each: system, the state/summary block,
     messages, the excerpts) with their tokens. A full request is identified by the chain hash of
-    its last message, which stands for its whole prefix: `items` is (system hash, that chain).
+    its last message, which stands for its whole prefix: `items` is (system hash, that chain) and
+    `length` its number of messages.
     """
 
     full: bool
     items: tuple[str, ...]
     tokens: tuple[int, ...]
     at: float  # monotonic seconds
+    length: int = 0  # messages of a full request
 
     @property
     def total(self) -> int:
@@ -76,16 +78,13 @@ def billed_full(system: tuple[str, int], history_tokens: int, chains: Sequence[s
     if last is None or not warm(last, now, prices) or not last.items or last.items[0] != system[0]:
         return prices.write * total
     cached = system[1]
-    if last.full and len(last.items) == 2:
-        length_text, _, chain = last.items[1].partition(":")
-        length = int(length_text)
-        if 0 < length <= len(chains) and chains[length - 1] == chain:
-            cached = last.total
+    if last.full and 0 < last.length <= len(chains) and chains[last.length - 1] == last.items[1]:
+        cached = last.total
     return prices.read * cached + prices.write * (total - cached)
 
 
 def full_record(system: tuple[str, int], length: int, chain: str, history_tokens: int, now: float) -> Forwarded:
-    return Forwarded(True, (system[0], f"{length}:{chain}"), (system[1], history_tokens), now)
+    return Forwarded(True, (system[0], chain), (system[1], history_tokens), now, length)
 
 
 @dataclass(frozen=True, slots=True)
