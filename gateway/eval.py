@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import re
 import statistics
 import sys
@@ -130,13 +131,6 @@ class Biller:
         self._prev_time: float | None = None
         self.warm = 0.0
         self.timed = 0.0
-        self._cache: dict[str, int] = {}
-
-    def _tokens(self, item: str) -> int:
-        n = self._cache.get(item)
-        if n is None:
-            n = self._cache[item] = self.count(item)
-        return n
 
     def add(self, items: list[str], when: float | None) -> None:
         common = 0
@@ -144,7 +138,7 @@ class Biller:
             if a != b:
                 break
             common += 1
-        sizes = [self._tokens(i) for i in items]
+        sizes = [self.count(i) for i in items]
         cached = sum(sizes[:common])
         fresh = sum(sizes[common:])
         self.warm += self.read * cached + self.write * fresh
@@ -262,7 +256,9 @@ async def run_eval(settings: Settings, conversations: list[dict[str, Any]], *, s
 
     counter = TokenCounter(settings.models)
 
+    @functools.lru_cache(maxsize=200_000)
     def count(text: str) -> int:
+        # Every strategy's requests repeat the same messages: each text is tokenised once per run.
         return counter.count(text, "gpt-4")
 
     recorder = Recorder()
