@@ -20,13 +20,13 @@ from gateway.dialects import dialect_for_path
 from gateway.logs import get_logger
 from gateway.metrics import Metrics
 from gateway.proxy import RECORD, GatewayError, MemoryHook, Proxy, Record
-from gateway.upstream import client_session
+from gateway.transport import HTTPClient
 
 SETTINGS = web.AppKey("settings", Settings)
 STORE = web.AppKey("store", Any)  # gateway.store.Store, or None: no store, pass-through only
 HOOK = web.AppKey("hook", Any)  # MemoryHook | None
 METRICS = web.AppKey("metrics", Metrics)
-HTTP = web.AppKey("http", Any)  # aiohttp.ClientSession towards the upstreams, open while the app runs
+HTTP = web.AppKey("http", Any)  # gateway.transport.HTTPClient towards the upstreams, open while the app runs
 BACKGROUND = web.AppKey("background", set)  # set[asyncio.Task[None]]: work that must not delay a reply
 PROXY = web.AppKey("proxy", Proxy)
 LOG = web.AppKey("log", Any)
@@ -91,6 +91,14 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = _error_response(request, 500, "internal gateway error")
     if rec.status != 499:
         rec.status = response.status
+    if rec.route is not None:
+        # Send the answer before the log line and metrics: they are not what the client waits for.
+        # aiohttp's own prepare/write_eof after the handler are then no-ops.
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionError:
+            rec.status = 499
     _finish(request.app, rec)
     return response
 
@@ -160,19 +168,19 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
-    session = client_session(app[SETTINGS])
-    app[HTTP] = session
-    app[PROXY].session = session
+async def _upstream_client(app: web.Application) -> AsyncIterator[None]:
+    client = HTTPClient()
+    app[HTTP] = client
+    app[PROXY].client = client
     try:
         yield
     finally:
-        # Background work (recording turns) may still need the session: let it finish first.
+        # Background work (recording turns) may still be running: let it finish first.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(drain_background(app), timeout=30)
         for task in list(app[BACKGROUND]):
             task.cancel()
-        await session.close()
+        await client.close()
 
 
 async def _memory_layer(app: web.Application) -> AsyncIterator[None]:
@@ -197,7 +205,8 @@ async def _memory_layer(app: web.Application) -> AsyncIterator[None]:
     pool = summarizer = None
     if settings.memory.worker.in_process:
         model = settings.memory.summarizer.model
-        summarizer = build_summarizer(settings, lambda text: counter.count(text, model), session=app[HTTP])
+        # The summarizer has its own aiohttp session: folds are background work, off the hot path.
+        summarizer = build_summarizer(settings, lambda text: counter.count(text, model))
         pool = start_workers(store, settings, summarizer, metrics=app[METRICS])
     try:
         yield
@@ -232,7 +241,7 @@ def create_app(settings: Settings, *, store: Any = None, hook: MemoryHook | None
     app[LOG] = get_logger("gateway")
     proxy = Proxy(settings, app[METRICS], hook, partial(spawn, app))
     app[PROXY] = proxy
-    app.cleanup_ctx.append(_upstream_session)
+    app.cleanup_ctx.append(_upstream_client)
     if hook is None and memory and settings.memory.enabled:
         app.cleanup_ctx.append(_memory_layer)
     else:

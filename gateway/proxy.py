@@ -10,13 +10,11 @@ Errors raised here are `GatewayError`s; `app.py` renders them once, in the calle
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDictProxy
@@ -26,6 +24,7 @@ from gateway.config import Settings
 from gateway.dialects import Dialect, dialect_for_path
 from gateway.metrics import Metrics
 from gateway.model import Usage
+from gateway.transport import HTTPClient, Response, UpstreamError, UpstreamTimeout
 from gateway.upstream import Upstream, request_headers, response_headers, upstreams
 
 # --- the hook seam (docs/interfaces.md, "proxy hook") ---------------------------------------------
@@ -95,13 +94,10 @@ class Record:
 
 RECORD = web.RequestKey("gateway_record", Record)
 
-UPSTREAM_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError)
-
-
-def upstream_error(exc: BaseException) -> GatewayError:
-    if isinstance(exc, asyncio.TimeoutError):
-        return GatewayError(504, None, "upstream timed out")
-    return GatewayError(502, None, f"upstream unreachable ({type(exc).__name__})")
+def upstream_error(exc: UpstreamError) -> GatewayError:
+    if isinstance(exc, UpstreamTimeout):
+        return GatewayError(504, None, f"upstream timed out: {exc}")
+    return GatewayError(502, None, f"upstream failed: {exc}")
 
 
 def _is_json(content_type: str) -> bool:
@@ -123,7 +119,7 @@ class Proxy:
         self.auth = Authenticator(settings)
         self.upstreams: dict[str, Upstream] = upstreams(settings)
         self.conversation_headers = tuple(settings.conversation.headers)
-        self.session: aiohttp.ClientSession | None = None
+        self.client: HTTPClient | None = None  # opened by the app's cleanup_ctx, inside the event loop
 
     async def handle(self, request: web.Request, *, memory: bool, json_body: bool) -> web.StreamResponse:
         rec = request[RECORD]
@@ -170,13 +166,14 @@ class Proxy:
         return await self._forward(request, rec, dialect, upstream, raw, out_headers, prepared, memory)
 
     async def _forward(self, request: web.Request, rec: Record, dialect: Dialect, upstream: Upstream,
-                       data: bytes, headers: Any, prepared: Prepared | None, memory: bool) -> web.StreamResponse:
-        assert self.session is not None, "the upstream session is opened by the app's cleanup_ctx"
+                       data: bytes, headers: list[tuple[str, str]], prepared: Prepared | None,
+                       memory: bool) -> web.StreamResponse:
+        assert self.client is not None, "the upstream client is opened by the app's cleanup_ctx"
         t = perf_counter()
         try:
-            resp = await self.session.request(request.method, upstream.url(request.raw_path), data=data or None,
-                                              headers=headers, timeout=upstream.timeout, allow_redirects=False)
-        except UPSTREAM_FAILURES as exc:
+            resp = await self.client.request(upstream.endpoint, request.method, upstream.target(request.raw_path),
+                                             headers, data)
+        except UpstreamError as exc:
             raise upstream_error(exc) from exc
         finally:
             rec.upstream_s += perf_counter() - t
@@ -195,7 +192,7 @@ class Proxy:
                 t = perf_counter()
                 try:
                     payload = await resp.read()
-                except UPSTREAM_FAILURES as exc:
+                except UpstreamError as exc:
                     raise upstream_error(exc) from exc
                 finally:
                     rec.upstream_s += perf_counter() - t
@@ -211,7 +208,7 @@ class Proxy:
             resp.release()
 
     async def _relay_stream(self, request: web.Request, rec: Record, dialect: Dialect,
-                            resp: aiohttp.ClientResponse, out_headers: Any, *,
+                            resp: Response, out_headers: Any, *,
                             rebuild: bool) -> tuple[web.StreamResponse, tuple[list[dict[str, Any]], Usage] | None]:
         """Relay SSE bytes as they arrive; with the rebuilt reply when asked and the stream ended cleanly.
 
@@ -222,14 +219,13 @@ class Proxy:
         rec.status = resp.status
         await out.prepare(request)
         tee: list[bytes] | None = [] if rebuild else None
-        content = resp.content
         complete = False
         try:
             while True:
                 t = perf_counter()
                 try:
-                    chunk = await content.readany()
-                except UPSTREAM_FAILURES as exc:
+                    chunk = await resp.readany()
+                except UpstreamError as exc:
                     # The client already has a 200 and half a stream: end it the way the provider would.
                     rec.extra["upstream_error"] = type(exc).__name__
                     reason = upstream_error(exc).message

@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import itertools
 import re
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -412,12 +413,13 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
+async def serve_app(app: web.Application, host: str = "127.0.0.1",
+                    ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
     """Run `app` on a free port (a client that hangs up cancels its handler, as under `gateway serve`);
-    yields its base URL."""
+    yields its base URL (http:// even with `ssl_context`: the caller knows it serves TLS)."""
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, 0)
+    site = web.TCPSite(runner, host, 0, ssl_context=ssl_context)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:

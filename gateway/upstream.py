@@ -1,4 +1,4 @@
-"""The HTTP edge towards the providers: URL joining, header filtering, the pooled client session.
+"""The edge towards the providers: which endpoint and request target a call goes to, and header filtering.
 
 `upstreams.openai.base_url` is what one gives the OpenAI SDK (it includes `/v1`), while
 `upstreams.anthropic.base_url` is what one gives the Anthropic SDK (it does not), so an incoming
@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.config import Settings, UpstreamSettings
+from gateway.transport import Endpoint, Timeouts
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -24,31 +24,23 @@ HOP_BY_HOP = frozenset({
 # the stream it relays, so it asks upstream for identity. Credentials are set per mode by `auth`.
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-gateway-key", "cookie"}
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
-# Response headers aiohttp recomputes for the body it sends (the body is already decoded).
-_DROP_RESPONSE = HOP_BY_HOP | {"content-length", "content-encoding", "date", "server", "set-cookie"}
-
-
-_URL_CACHE_SIZE = 256
+# Response headers aiohttp recomputes for the body it sends. Content-Encoding stays: the transport
+# removes it when it decoded the body, and a body it could not decode goes out with its encoding.
+_DROP_RESPONSE = HOP_BY_HOP | {"content-length", "date", "server", "set-cookie"}
 
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
     name: str
-    prefix: str  # base_url, to which the incoming path is appended (OpenAI form: its /v1 removed)
+    endpoint: Endpoint
+    prefix: str  # the base URL's path, to which the incoming path is appended (OpenAI form: its /v1 removed)
     api_key: str | None
-    timeout: aiohttp.ClientTimeout
     strip_v1: bool
-    # The few hot paths are parsed once; the client's raw (already encoded) path is kept as sent.
-    _urls: dict[str, URL] = field(default_factory=dict)
 
-    def url(self, path_qs: str) -> URL:
-        url = self._urls.get(path_qs)
-        if url is None:
-            tail = path_qs[3:] if self.strip_v1 and path_qs.startswith("/v1") else path_qs
-            url = URL(self.prefix + tail, encoded=True)
-            if len(self._urls) < _URL_CACHE_SIZE:
-                self._urls[path_qs] = url
-        return url
+    def target(self, path_qs: str) -> str:
+        """The request target upstream for the client's raw (already encoded) path and query."""
+        tail = path_qs[3:] if self.strip_v1 and path_qs.startswith("/v1") else path_qs
+        return self.prefix + tail
 
     def auth_headers(self) -> dict[str, str]:
         """The configured key in this provider's header form (empty: forward the client's)."""
@@ -60,12 +52,12 @@ class Upstream:
 
 
 def make_upstream(name: str, cfg: UpstreamSettings) -> Upstream:
+    timeouts = Timeouts(connect=cfg.connect_timeout, read=cfg.read_timeout, total=cfg.total_timeout)
     return Upstream(
         name=name,
-        prefix=cfg.base_url,
+        endpoint=Endpoint.of(cfg.base_url, timeouts, cfg.pool_size),
+        prefix=URL(cfg.base_url).raw_path.rstrip("/"),
         api_key=cfg.api_key,
-        timeout=aiohttp.ClientTimeout(total=cfg.total_timeout, sock_connect=cfg.connect_timeout,
-                                      connect=cfg.connect_timeout, sock_read=cfg.read_timeout),
         # Anthropic-style bases stop before /v1; every other upstream is OpenAI-compatible.
         strip_v1=name != "anthropic",
     )
@@ -83,17 +75,15 @@ def _connection_named(headers: Mapping[str, str]) -> frozenset[str]:
 
 
 def request_headers(incoming: Mapping[str, str], extra: Mapping[str, str], *,
-                    keep_credentials: bool) -> CIMultiDict[str]:
+                    keep_credentials: bool) -> list[tuple[str, str]]:
     """Headers to send upstream; the client's credential headers go as they came only when kept."""
     named = _connection_named(incoming)
     drop = _DROP_REQUEST if keep_credentials else _DROP_REQUEST | _CREDENTIALS
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in incoming.items():
-        low = name.lower()
-        if low not in drop and low not in named:
-            out.add(name, value)
-    out["Accept-Encoding"] = "identity"
-    out.update(extra)
+    if extra:
+        drop = drop | {name.lower() for name in extra}
+    out = [(name, value) for name, value in incoming.items() if name.lower() not in drop and name.lower() not in named]
+    out.append(("Accept-Encoding", "identity"))
+    out.extend(extra.items())
     return out
 
 
@@ -108,17 +98,3 @@ def response_headers(upstream: Mapping[str, str], extra: Iterable[tuple[str, str
     for name, value in extra:
         out[name] = value
     return out
-
-
-def client_session(settings: Settings) -> aiohttp.ClientSession:
-    pools = [u.pool_size for u in settings.upstreams.values()]
-    connector = aiohttp.TCPConnector(limit=sum(pools), limit_per_host=max(pools), ttl_dns_cache=300)
-    return aiohttp.ClientSession(
-        connector=connector,
-        # A proxy shared by many clients must never carry one client's cookies to another.
-        cookie_jar=aiohttp.DummyCookieJar(),
-        # The client's own User-Agent goes through; aiohttp must not add one.
-        skip_auto_headers=("User-Agent",),
-        timeout=aiohttp.ClientTimeout(total=None),
-        auto_decompress=True,
-    )
