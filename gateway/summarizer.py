@@ -157,28 +157,44 @@ def dedupe(lines: Sequence[str], threshold: float = 0.7, *, kept_first: Sequence
 
     `kept_first`: lines kept unconditionally ahead of `lines` (a previous summary).
 
-    An inverted index over the kept lines' words finds the only lines that can reach the Jaccard
-    threshold (they share at least threshold x the new line's words), so a fold over hundreds of
-    lines stays linear instead of comparing every pair.
+    Same test as `near_duplicate`, on word sets held as bitmasks over this call's vocabulary: a
+    pair costs one AND and a popcount. An inverted index of words did no better: common words
+    ("the", "in", a path prefix) sit in nearly every line, so it counted overlaps with every
+    kept line anyway, at a dict update per shared word (4x slower on a fold's 30 lines).
     """
-    kept: list[str] = []
-    postings: dict[str, list[int]] = {}
-    for line in kept_first:  # kept as they are; new lines that restate them are dropped
-        for w in _signature(line)[0]:
-            postings.setdefault(w, []).append(len(kept))
-        kept.append(line)
+    vocabulary: dict[str, int] = {}
+    kept: list[str] = list(kept_first)  # kept as they are; new lines that restate them are dropped
+    masks: list[tuple[int, int, frozenset[str]]] = []  # (word bits, word count, values) of kept lines with words
+
+    def mask(line: str) -> tuple[int, int, frozenset[str]]:
+        words, values = _signature(line)
+        bits = 0
+        for w in words:
+            bit = vocabulary.get(w)
+            if bit is None:
+                bit = vocabulary[w] = len(vocabulary)
+            bits |= 1 << bit
+        return bits, len(words), values
+
+    for line in kept_first:
+        m = mask(line)
+        if m[1]:
+            masks.append(m)
     for line in lines:
-        words, _ = _signature(line)
-        overlap: dict[int, int] = {}
-        for w in words:
-            for k in postings.get(w, ()):
-                overlap[k] = overlap.get(k, 0) + 1
-        need = threshold * len(words)
-        if any(n >= need and near_duplicate(line, kept[k], threshold) for k, n in overlap.items()):
-            continue
-        for w in words:
-            postings.setdefault(w, []).append(len(kept))
-        kept.append(line)
+        m = mask(line)
+        bits, n, values = m
+        if n:
+            for kbits, kn, kvalues in masks:
+                if values <= kvalues:  # the cheaper half first: often false, a changed value
+                    common = (bits & kbits).bit_count()
+                    # The Jaccard test exactly as near_duplicate writes it (same float division).
+                    if common / (n + kn - common) >= threshold:
+                        break
+            else:
+                masks.append(m)
+                kept.append(line)
+        else:
+            kept.append(line)  # no words: nothing can restate it, and it restates nothing
     return kept
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway import fold, state
 from gateway.config import Settings, parse_settings
@@ -20,6 +22,7 @@ from gateway.summarizer import (
     LlmSummarizer,
     SummarizerError,
     build_summarizer,
+    dedupe,
     extract_lines,
     extractive_summary,
     near_duplicate,
@@ -121,6 +124,24 @@ def test_near_duplicates_dropped_but_changed_values_kept() -> None:
     """A restatement is a duplicate; the same sentence with a new value is not."""
     assert near_duplicate("user: The API must listen on port 8443.", "user: The API must listen on port 8443")
     assert not near_duplicate("user: The API must listen on port 9443.", "user: The API must listen on port 8443.")
+
+
+_DEDUPE_WORDS = ["the", "api", "port", "8443", "9443", "src/app.py", "must", "listen", "on", "we", "use", "kafka",
+                 "v1.2.3", "ORION-12", "log", "never", "emails", "fast_path"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(_DEDUPE_WORDS), min_size=0, max_size=8), max_size=25),
+       st.integers(min_value=0, max_value=25))
+def test_dedupe_equals_pairwise_near_duplicate(word_lists: list[list[str]], split: int) -> None:
+    """dedupe keeps exactly the lines that no earlier kept line (kept_first included) near-duplicates."""
+    lines = [f"{'user' if i % 2 else 'assistant'}: {' '.join(ws)}" for i, ws in enumerate(word_lists)]
+    kept_first, new = lines[:split], lines[split:]
+    expected = list(kept_first)
+    for line in new:
+        if not any(near_duplicate(line, k) for k in expected):
+            expected.append(line)
+    assert dedupe(new, kept_first=kept_first) == expected
 
 
 async def test_extractive_summarize_keeps_previous_and_adds_new() -> None:
