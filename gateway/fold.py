@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 from gateway.model import Turn
@@ -107,6 +108,16 @@ def chunk_turns(turns: Sequence[Turn], budget_tokens: int) -> list[list[Turn]]:
     if current:
         chunks.append(current)
     return chunks
+
+
+def remembering(count: Count, size: int = 4096) -> Count:
+    """`count` with a memory of the last `size` texts it counted.
+
+    A summary's lines are counted again at every fold (the cap splits Recent into units, the
+    compressor ranks Earlier's lines), and the same line several times within one fold; the
+    gateway's counter only remembers texts long enough to be worth hashing, which lines are not.
+    """
+    return lru_cache(maxsize=size)(count)
 
 
 def clip(text: str, max_tokens: int, count: Count) -> str:

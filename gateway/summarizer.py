@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from gateway import state
 from gateway.config import Settings, UpstreamSettings
-from gateway.fold import Count, SummaryResult, clip
+from gateway.fold import Count, SummaryResult, clip, remembering
 from gateway.logs import get_logger
 from gateway.model import Turn
 
@@ -211,7 +211,7 @@ class ExtractiveSummarizer:
     name = "extractive"
 
     def __init__(self, count: Count, *, budget_tokens: int = 1_000_000) -> None:
-        self.count = count
+        self.count = remembering(count)
         self.budget_tokens = budget_tokens  # no model context to respect: one chunk
 
     async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
@@ -296,7 +296,7 @@ class LlmSummarizer:
         self.upstream = upstream
         self.model = model
         self.max_tokens = max_tokens
-        self.count = count
+        self.count = remembering(count)
         self.budget_tokens = budget_tokens
         self._session = session
         self._own_session = session is None

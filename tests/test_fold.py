@@ -97,6 +97,19 @@ def test_clip_and_sections() -> None:
     assert fold.compose("", "r") == "r"
 
 
+def test_remembering_counts_each_text_once() -> None:
+    """A remembering counter gives the wrapped counter's answers and asks it once per distinct text."""
+    asked: list[str] = []
+
+    def counting(text: str) -> int:
+        asked.append(text)
+        return words(text)
+
+    count = fold.remembering(counting, size=8)
+    assert [count("a b"), count("c"), count("a b"), count("c")] == [2, 1, 2, 1]
+    assert asked == ["a b", "c"]
+
+
 class Recorder:
     """A summarizer that records what it was asked and answers by concatenation."""
 
