@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import socket
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,45 @@ def test_unknown_model_names_stay_bounded() -> None:
         counter.calibrate(f"m-{i}", 10, 11)
     assert len(counter._encodings) <= 1024
     assert set(counter._factors) == {"default"}
+
+
+def _odd_text(rng: random.Random, n: int) -> str:
+    # Characters around which pre-tokenisers behave differently: newlines, runs of spaces, "/" and
+    # "[" after a newline, contractions, digits, punctuation, Unicode spaces and letters, emoji.
+    alphabet = ["\n", "\n", "\r\n", " ", "  ", "\t", "[", "/", "'s", "'", "a", "Word", "x1", "123", "4567",
+                ".", "?", "!\n", "#", "é", "日本", "\u00a0", "\u2028", "\u3000", "\x1f", "😀", "-", "//", ":"]
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+@pytest.mark.parametrize("encoding", [FALLBACK_ENCODING, "o200k_base"])
+def test_long_texts_counted_by_pieces_are_exact(encoding: str) -> None:
+    """A long text counted as the sum of its pieces (split after newlines) equals the whole text's count."""
+    if not available_offline(encoding):
+        pytest.skip(f"{encoding} is not available offline")
+    enc = tokens.load_encoding(encoding)
+    counter = TokenCounter({"default": ModelSettings(encoding=None if encoding == FALLBACK_ENCODING
+                                                     else "o200k_base")})
+    assert counter.encoding().name == enc.name
+    rng = random.Random(7)
+    texts = [_odd_text(rng, 2000) for _ in range(40)]
+    texts.append("## Relevant earlier excerpts\n" + "\n\n".join(
+        f"[message {i}, user, 2023-05-08T13:56:00]\nLine one?\n  indented\n/path\n[x] done\n" for i in range(60)))
+    for text in texts:
+        assert counter.count(text) == len(enc.encode_ordinary(text))
+
+
+def test_block_of_counted_pieces_needs_no_new_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block sharing most of its pieces with a block counted before encodes only its new pieces."""
+    counter = TokenCounter(MODELS)
+    parts = [f"[message {i}, user]\n" + f"words of message {i} " * 20 + "\n\n" for i in range(10)]
+    first = "".join(parts[:9])
+    assert counter.count(first) == len(counter.encoding().encode_ordinary(first))
+    calls: list[str] = []
+    enc = counter.encoding()
+    real = enc.encode_ordinary
+    monkeypatch.setattr(type(enc), "encode_ordinary", lambda self, text: calls.append(text) or real(text))
+    second = "".join(parts[1:])
+    assert counter.count(second) == len(real(second))
+    assert "".join(calls) == parts[9]
+    assert counter.count(first) == len(real(first))  # cached whole
+    assert "".join(calls) == parts[9]
