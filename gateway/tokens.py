@@ -32,16 +32,31 @@ _DOWNLOADED = {
 PER_MESSAGE_TOKENS = 4  # role and separators each message costs in chat formats
 _CALIBRATION_ALPHA = 0.2
 _FACTOR_MIN, _FACTOR_MAX = 0.5, 2.0
-_COUNT_CACHE_SIZE = 16384
-# Texts this long are counted piece by piece (see `_PIECE_BREAK`) when not cached whole: a block the
-# gateway assembles (excerpts, summary, state) is mostly made of pieces it has counted before.
-_SPLIT_MIN_CHARS = 1024
-# Where no token can span: after a newline, before a character that is neither whitespace nor "/".
-# In both pre-tokeniser patterns (cl100k, o200k) a newline is never preceded by a letter, digit
-# or contraction in the same pre-token, and can only be followed in one by more whitespace (or
-# "/" in o200k's `[\r\n/]*`); BPE merges stay within pre-tokens. So the count of the whole text
-# is the sum of the counts of its pieces, exactly (tests/test_tokens.py checks it on odd texts).
+_COUNT_CACHE_SIZE = 32768
+# Exact counts without re-encoding what was counted before. BPE merges stay within pre-tokens, so
+# a text's count is the sum of its pieces' counts when it is cut only where no pre-token of the
+# encoding's pattern can span (cl100k and o200k; tests/test_tokens.py checks odd texts):
+# - after a newline, before a character that is neither whitespace nor "/": a newline is never
+#   preceded in a pre-token by a letter, digit or contraction, and only followed in one by more
+#   whitespace (or "/", in o200k's `[\r\n/]*`). Blocks the gateway assembles (excerpts, summary,
+#   state) are lines it has mostly counted before.
 _PIECE_BREAK = re.compile(r"(?<=\n)(?=[^\s/])")
+# - before a space that follows an ASCII letter or digit (nothing joins a letter or digit to the
+#   whitespace after it). A counted text followed by a separator ("...?" + "\n\n") is then its
+#   count less its last word's, plus the last word's with the separator.
+_WORD_BREAK_TRIES = 8
+
+
+def _last_word_break(text: str) -> int:
+    """The last position p > 0 with text[p] == " " after an ASCII letter or digit; -1 if none is near."""
+    p = text.rfind(" ")
+    for _ in range(_WORD_BREAK_TRIES):
+        if p <= 0:
+            return -1
+        if text[p - 1].isascii() and text[p - 1].isalnum():
+            return p
+        p = text.rfind(" ", 0, p)
+    return -1
 
 
 def tiktoken_cache_path(url: str) -> str | None:
@@ -126,24 +141,36 @@ class TokenCounter:
         """Exact tiktoken count of `text` (special-token text counted as plain text), cached by content."""
         if not text:
             return 0
-        enc = self.encoding(model)
-        # Cached at every length: a lookup costs ~0.1 µs, encoding ~0.1 µs per character, and the
-        # short texts (excerpt headers, markers) come back on every request.
+        return self._count(self.encoding(model), text)
+
+    def _count(self, enc: tiktoken.Encoding, text: str) -> int:
+        # Cached at every length: a lookup costs ~0.1 µs, encoding ~0.1 µs per character, and short
+        # texts (excerpt headers, markers) come back on every request.
         key = (enc.name, hash(text), len(text))
         n = self._counts.get(key)
         if n is None:
-            if len(text) >= _SPLIT_MIN_CHARS:
-                pieces = _PIECE_BREAK.split(text)
-                if len(pieces) > 1:
-                    n = sum(self.count(piece, model) for piece in pieces)
-            if n is None:
-                # encode_ordinary: special-token text such as "<|endoftext|>" in user content is plain text.
-                n = len(enc.encode_ordinary(text))
+            n = self._fresh(enc, text)
             counts = self._counts
             if len(counts) >= _COUNT_CACHE_SIZE:
                 counts.pop(next(iter(counts)))  # oldest first (insertion order)
             counts[key] = n
         return n
+
+    def _fresh(self, enc: tiktoken.Encoding, text: str) -> int:
+        """Count a text missing from the cache, from cached parts where the breaks allow."""
+        if "\n" in text:
+            pieces = _PIECE_BREAK.split(text)
+            if len(pieces) > 1:
+                return sum(self._count(enc, piece) for piece in pieces)
+        stem = text.rstrip()
+        if stem and len(stem) < len(text):
+            known = self._counts.get((enc.name, hash(stem), len(stem)))
+            cut = _last_word_break(stem) if known is not None else -1
+            if known is not None and cut > 0:
+                word = stem[cut:]
+                return known - self._count(enc, word) + self._count(enc, word + text[len(stem):])
+        # encode_ordinary: special-token text such as "<|endoftext|>" in user content is plain text.
+        return len(enc.encode_ordinary(text))
 
     def count_message(self, text: str, model: str | None = None) -> int:
         return self.count(text, model) + PER_MESSAGE_TOKENS

@@ -154,7 +154,7 @@ def _odd_text(rng: random.Random, n: int) -> str:
 
 @pytest.mark.parametrize("encoding", [FALLBACK_ENCODING, "o200k_base"])
 def test_long_texts_counted_by_pieces_are_exact(encoding: str) -> None:
-    """A long text counted as the sum of its pieces (split after newlines) equals the whole text's count."""
+    """Counts assembled from cached pieces (lines, a text and its trailing separator) equal whole-text counts."""
     if not available_offline(encoding):
         pytest.skip(f"{encoding} is not available offline")
     enc = tokens.load_encoding(encoding)
@@ -167,20 +167,26 @@ def test_long_texts_counted_by_pieces_are_exact(encoding: str) -> None:
         f"[message {i}, user, 2023-05-08T13:56:00]\nLine one?\n  indented\n/path\n[x] done\n" for i in range(60)))
     for text in texts:
         assert counter.count(text) == len(enc.encode_ordinary(text))
+    # A counted text followed by whitespace is counted from its cached count and its last word.
+    for text in [_odd_text(rng, rng.randint(1, 300)) for _ in range(300)]:
+        counter.count(text)
+        for sep in ("\n\n", " ", "  \n", "\t\n\n", "\u00a0\n"):
+            assert counter.count(text + sep) == len(enc.encode_ordinary(text + sep))
 
 
-def test_block_of_counted_pieces_needs_no_new_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block sharing most of its pieces with a block counted before encodes only its new pieces."""
+def test_block_of_counted_texts_encodes_only_what_is_new(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block of texts counted before (excerpts) encodes only its new headers and the words at the joins."""
     counter = TokenCounter(MODELS)
-    parts = [f"[message {i}, user]\n" + f"words of message {i} " * 20 + "\n\n" for i in range(10)]
-    first = "".join(parts[:9])
-    assert counter.count(first) == len(counter.encoding().encode_ordinary(first))
+    texts = [f"Message {i}: " + f"words of message {i} " * 20 + "and a question?" for i in range(10)]
+    for text in texts:
+        counter.count(text)  # as on arrival
     calls: list[str] = []
     enc = counter.encoding()
     real = enc.encode_ordinary
     monkeypatch.setattr(type(enc), "encode_ordinary", lambda self, text: calls.append(text) or real(text))
-    second = "".join(parts[1:])
-    assert counter.count(second) == len(real(second))
-    assert "".join(calls) == parts[9]
-    assert counter.count(first) == len(real(first))  # cached whole
-    assert "".join(calls) == parts[9]
+    block = "## Excerpts\n" + "\n\n".join(f"[message {i}, user]\n{t}" for i, t in enumerate(texts))
+    assert counter.count(block) == len(real(block))
+    assert max(len(c) for c in calls) < 20  # headers and last words, never a whole text
+    calls.clear()
+    assert counter.count(block) == len(real(block))  # cached whole
+    assert calls == []
