@@ -1,16 +1,22 @@
 """Latency the gateway adds, and its throughput, against a fake upstream with fixed latency.
 
 Starts the fake upstream (`python -m gateway.testing --latency-ms 20`) and `gateway serve` each in
-its own process, then sends N chat completions at fixed concurrency, straight to the fake and
-through the gateway, streamed and not, and prints per-percentile added latency (gateway minus
-direct) and requests/s.
+its own process, then sends chat completions at fixed concurrency, straight to the fake and through
+the gateway, streamed and not, and prints per-percentile added latency (gateway minus direct),
+requests/s, the gateway's CPU per request and its own time per request (`gateway_ms` from its log).
+Direct and gateway runs alternate in `--rounds` blocks, so drift on a shared machine hits both.
 
-    python scripts/bench_overhead.py                         # 2000 requests, concurrency 1, 10, 50
+    python scripts/bench_overhead.py                         # memory off: 2000 requests, concurrency 1, 10, 50
     python scripts/bench_overhead.py --requests 500 --concurrency 10
-    python scripts/bench_overhead.py --conversation-turns 40 --store redis://127.0.0.1:6379/15
+    python scripts/bench_overhead.py --conversation-turns 500 --store redis://127.0.0.1:6379/15
 
-`--conversation-turns N` sends an X-Conversation-Id (one conversation per client slot) and a history
-of N messages, with the memory layer on; without it the gateway runs as a plain proxy (memory off).
+`--conversation-turns N` turns the memory layer on. Each client slot then holds real conversations
+that start at N messages (system prompt aside) and grow as a full-history client's do: every
+request resends the history plus the reply it got and a new user message. After `--per-conversation`
+requests a slot moves on to its next conversation, so histories stay between N and N + 2 x that.
+Every conversation is seeded first (its first request, untimed) and the run waits until the fold
+workers have summarised the seeds: the timed requests meet the steady state of a long conversation
+(summary in place, one fold of new turns every `fold_batch` messages, in-process by default).
 """
 
 from __future__ import annotations
@@ -21,16 +27,18 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import orjson
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
 
 def free_port() -> int:
@@ -39,18 +47,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
 @dataclass
 class Run:
-    latencies: list[float]
-    seconds: float
+    latencies: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    contexts: Counter[str] = field(default_factory=Counter)
 
-    def pct(self, p: float) -> float:
-        xs = sorted(self.latencies)
-        return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+    def add(self, other: Run) -> None:
+        self.latencies += other.latencies
+        self.seconds += other.seconds
+        self.contexts += other.contexts
 
     @property
     def rps(self) -> float:
-        return len(self.latencies) / self.seconds
+        return len(self.latencies) / self.seconds if self.seconds else 0.0
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -59,41 +74,137 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(f"w{min(int(rng.paretovariate(1.1)), 5000)}" for _ in range(n))
 
 
-def body_for(turns: int, stream: bool) -> bytes:
+def history(turns: int) -> list[dict[str, str]]:
     rng = random.Random(turns)
-    messages = [{"role": "system", "content": "You are a helpful assistant."}]
-    for i in range(turns):
-        role = "user" if i % 2 == 0 else "assistant"
-        messages.append({"role": role, "content": f"Message {i}: " + _words(rng, 40 if role == "user" else 120)})
-    messages.append({"role": "user", "content": "And now, about " + _words(rng, 8) + "?"})
-    return orjson.dumps({"model": "gpt-4o-mini", "messages": messages, "stream": stream,
-                         **({"stream_options": {"include_usage": True}} if stream else {})})
+    return [{"role": "user" if i % 2 == 0 else "assistant",
+             "content": f"Message {i}: " + _words(rng, 40 if i % 2 == 0 else 120)} for i in range(turns)]
 
 
-async def load(url: str, body: bytes, n: int, concurrency: int, conversation: bool) -> Run:
-    latencies: list[float] = []
-    remaining = n
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+def reply_text(payload: bytes, stream: bool) -> str:
+    """The assistant's text from a chat completion, JSON or SSE (what a client appends to its history)."""
+    if not stream:
+        return str(orjson.loads(payload)["choices"][0]["message"]["content"] or "")
+    parts = []
+    for line in payload.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in orjson.loads(line[6:]).get("choices") or ():
+                parts.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
 
-        async def worker(slot: int) -> None:
-            nonlocal remaining
-            headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench"}
-            if conversation:
-                headers["X-Conversation-Id"] = f"bench-{slot}"
-            while remaining > 0:
-                remaining -= 1
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict[str, str]]
+    sent: int = 0  # requests answered so far
+
+
+class Workload:
+    """What each client slot sends: one fixed body (memory off), or conversations that grow.
+
+    Growing conversations sit in a queue per slot; a slot moves on to its next one after
+    `per_conversation` answers (the seed's included), so histories stay in a band.
+    """
+
+    def __init__(self, turns: int, stream: bool, *, grow: bool, header: bool, tag: str, slots: int,
+                 per_slot: int, per_conversation: int) -> None:
+        self.stream, self.grow, self.header, self.per_conversation = stream, grow, header, per_conversation
+        self.rng = random.Random(tag)
+        self.extra = {"stream_options": {"include_usage": True}} if stream else {}
+        base = [SYSTEM, *history(turns)]
+        # The seed and warm-up requests (see `seed`) count against per_conversation too.
+        count = -(-per_slot // max(1, per_conversation - 2)) + 1 if grow else 1
+        self.queues = {s: deque(Conversation(f"{tag}-{s}-{j}", [*base, self._question(0)]) for j in range(count))
+                       for s in range(slots)}
+        self._fixed = None if grow else self._body(self.queues[0][0])
+
+    def _question(self, k: int) -> dict[str, str]:
+        return {"role": "user", "content": f"Question {k}: and now, about {_words(self.rng, 12)}?"}
+
+    def _body(self, conv: Conversation) -> bytes:
+        return orjson.dumps({"model": "gpt-4o-mini", "messages": conv.messages, "stream": self.stream, **self.extra})
+
+    def headers(self, conv: Conversation) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench"}
+        if self.header:
+            headers["X-Conversation-Id"] = conv.id
+        return headers
+
+    def request(self, slot: int) -> tuple[Conversation, bytes]:
+        conv = self.queues[slot][0]
+        return conv, self._fixed if self._fixed is not None else self._body(conv)
+
+    def answered(self, slot: int, conv: Conversation, payload: bytes) -> None:
+        """Extend the conversation with the reply and a new question, as a full-history client does."""
+        if not self.grow:
+            return
+        conv.sent += 1
+        conv.messages.append({"role": "assistant", "content": reply_text(payload, self.stream)})
+        conv.messages.append(self._question(conv.sent))
+        if conv.sent >= self.per_conversation and len(self.queues[slot]) > 1:
+            self.queues[slot].popleft()
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> tuple[bytes, str]:
+    async with session.post(url, data=body, headers=headers) as resp:
+        payload = await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {payload[:300]!r}")
+        return payload, resp.headers.get("x-gateway-context", "-")
+
+
+async def load(url: str, work: Workload, per_slot: int, concurrency: int) -> Run:
+    run = Run()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def slot(s: int) -> None:
+            for _ in range(per_slot):
+                conv, body = work.request(s)
                 t = time.perf_counter()
-                async with session.post(url, data=body, headers=headers) as resp:
-                    async for _ in resp.content.iter_any():
-                        pass
-                    if resp.status != 200:
-                        raise RuntimeError(f"{url} answered {resp.status}")
-                latencies.append(time.perf_counter() - t)
+                payload, context = await _post(session, url, body, work.headers(conv))
+                run.latencies.append(time.perf_counter() - t)
+                run.contexts[context] += 1
+                work.answered(s, conv, payload)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        return Run(latencies, time.perf_counter() - t0)
+        await asyncio.gather(*(slot(i) for i in range(concurrency)))
+        run.seconds = time.perf_counter() - t0
+    return run
+
+
+async def seed(base: str, work: Workload, settle_s: float) -> None:
+    """Bring every queued conversation to the steady state of one this gateway has been serving.
+
+    Its first request (the whole history at once), then a wait until the fold workers summarised
+    it, then one more request: the first rewritten one, which builds the process's retrieval index
+    of the conversation (a long conversation grown turn by turn has that index already).
+    """
+    url = f"{base}/v1/chat/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(work.queues))) as session:
+
+        async def send_all(s: int) -> None:
+            for conv in list(work.queues[s]):
+                payload, _ = await _post(session, url, work._body(conv), work.headers(conv))
+                conv.sent += 1
+                conv.messages.append({"role": "assistant", "content": reply_text(payload, work.stream)})
+                conv.messages.append(work._question(conv.sent))
+
+        await asyncio.gather(*(send_all(s) for s in work.queues))
+        pending = {conv.id for q in work.queues.values() for conv in q}
+        deadline = time.monotonic() + settle_s
+        while pending and time.monotonic() < deadline:
+            for conv_id in list(pending):
+                async with session.get(f"{base}/v1/conversations/{conv_id}",
+                                       headers={"Authorization": "Bearer sk-bench"}) as r:
+                    info = await r.json()
+                w = info.get("window")  # absent while the seed's turns are still being recorded
+                if w is not None and not info["fold_pending"] and w["end"] - w["start"] <= 2 * w["keep_recent"] + 2:
+                    pending.discard(conv_id)
+            if pending:
+                await asyncio.sleep(0.5)
+        if pending:
+            print(f"  ({len(pending)} seeded conversations still unsummarised after {settle_s:.0f} s)")
+        await asyncio.gather(*(send_all(s) for s in work.queues))
 
 
 async def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
@@ -123,63 +234,112 @@ def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
+class GatewayLog:
+    """The gateway's own time per request (`gateway_ms`), read from its JSON log since the last mark."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def mark(self) -> None:
+        self.offset = self.path.stat().st_size
+
+    def since_mark(self) -> list[float]:
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            lines = f.read().splitlines()
+        return [orjson.loads(x)["gateway_ms"] for x in lines
+                if b'"event":"request"' in x and b'"/v1/chat/completions"' in x]
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--requests", type=int, default=0, help="timed requests per cell (default 2000, memory 1000)")
     p.add_argument("--concurrency", default="1,10,50", help="comma-separated levels")
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--modes", default="json,stream")
-    p.add_argument("--conversation-turns", type=int, default=0)
+    p.add_argument("--conversation-turns", type=int, default=0, help="memory on, histories of this many messages")
+    p.add_argument("--per-conversation", type=int, default=10, help="requests per conversation (memory mode)")
     p.add_argument("--store", default="memory://")
+    p.add_argument("--rounds", type=int, default=4, help="alternating direct/gateway blocks per cell")
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--settle-seconds", type=float, default=300)
+    p.add_argument("--separate-worker", action="store_true",
+                   help="folds in a `gateway worker` process instead of inside `gateway serve`")
     args = p.parse_args()
 
+    memory = args.conversation_turns > 0
+    requests = args.requests or (1000 if memory else 2000)
     workdir = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     fake_port, gw_port = free_port(), free_port()
-    memory = args.conversation_turns > 0
     config = workdir / "gateway.yaml"
     config.write_text(
         f"upstreams:\n  openai:\n    base_url: http://127.0.0.1:{fake_port}/v1\n"
         f"store:\n  url: {args.store}\nmemory:\n  enabled: {str(memory).lower()}\n"
+        f"  worker:\n    in_process: {0 if args.separate_worker else 1}\n"
         "server:\n  log_level: info\n")
+    if memory and not args.store.startswith("memory://"):
+        import redis
+
+        redis.Redis.from_url(args.store).flushdb()
     fake = start([sys.executable, "-m", "gateway.testing", "--port", str(fake_port),
                   "--latency-ms", str(args.latency_ms)], workdir / "fake.log")
-    gateway = start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(gw_port)],
-                    workdir / "gateway.log")
+    procs = [start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(gw_port)],
+                   workdir / "gateway.log")]
+    if args.separate_worker:
+        procs.append(start([sys.executable, "-m", "gateway", "worker", "--config", str(config)],
+                           workdir / "worker.log"))
+    gw_log = GatewayLog(workdir / "gateway.log")
     try:
         await wait_up(f"http://127.0.0.1:{fake_port}/v1/models", fake)
-        await wait_up(f"http://127.0.0.1:{gw_port}/healthz", gateway)
-        direct = f"http://127.0.0.1:{fake_port}/v1/chat/completions"
-        proxied = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-        print(f"{args.requests} requests per run, upstream latency {args.latency_ms:g} ms, "
-              f"{os.cpu_count()} CPUs, memory {'on (' + args.store + ')' if memory else 'off'}, "
-              f"history {args.conversation_turns} messages")
-        print(f"{'mode':<7}{'conc':>5} | {'direct p50/p90/p99 ms':>24} | {'gateway p50/p90/p99 ms':>24} | "
-              f"{'added p50/p90/p99 ms':>22} | {'rps direct':>10} {'rps gw':>8} | gw CPU/req")
+        await wait_up(f"http://127.0.0.1:{gw_port}/healthz", procs[0])
+        base = f"http://127.0.0.1:{gw_port}"
+        direct, proxied = f"http://127.0.0.1:{fake_port}/v1/chat/completions", f"{base}/v1/chat/completions"
+        print(f"{requests} timed requests per cell in {args.rounds} alternating rounds, upstream latency "
+              f"{args.latency_ms:g} ms, {os.cpu_count()} CPUs, memory "
+              + (f"on ({args.store}), histories of {args.conversation_turns}-"
+                 f"{args.conversation_turns + 2 * args.per_conversation} messages, folds "
+                 f"{'in a separate worker' if args.separate_worker else 'in-process'}" if memory else "off"))
+        print(f"{'mode':<7}{'conc':>5} | {'direct p50/p90/p99 ms':>22} | {'gateway p50/p90/p99 ms':>22} | "
+              f"{'added p50/p90/p99 ms':>21} | {'rps direct/gw':>13} | {'CPU/req':>7} | "
+              f"{'gateway_ms p50/p99':>18}" + (" | contexts" if memory else ""))
         for conc in (int(c) for c in args.concurrency.split(",")):
             for mode in args.modes.split(","):
-                body = body_for(args.conversation_turns, mode == "stream")
-                await load(direct, body, args.warmup, conc, False)
-                await load(proxied, body, args.warmup, conc, memory)
-                d = await load(direct, body, args.requests, conc, False)
-                cpu0 = cpu_seconds(gateway.pid)
-                g = await load(proxied, body, args.requests, conc, memory)
-                cpu = (cpu_seconds(gateway.pid) - cpu0) / args.requests * 1000
-                ms = [(d.pct(q) * 1000, g.pct(q) * 1000) for q in (50, 90, 99)]
-                print(f"{mode:<7}{conc:>5} | {'/'.join(f'{a:.2f}' for a, _ in ms):>24} | "
-                      f"{'/'.join(f'{b:.2f}' for _, b in ms):>24} | "
-                      f"{'/'.join(f'{b - a:.2f}' for a, b in ms):>22} | {d.rps:>10.0f} {g.rps:>8.0f} | {cpu:.2f} ms",
+                stream = mode == "stream"
+                per_round = max(1, requests // args.rounds // conc)
+                d_work, g_work = (
+                    Workload(args.conversation_turns, stream, grow=memory, header=header, tag=tag, slots=conc,
+                             per_slot=per_round * args.rounds + args.warmup // conc,
+                             per_conversation=args.per_conversation)
+                    for tag, header in ((f"d{conc}{mode}", False), (f"g{conc}{mode}-{time.time_ns()}", memory)))
+                await load(direct, d_work, max(1, args.warmup // conc), conc)
+                if memory:
+                    await seed(base, g_work, args.settle_seconds)
+                else:
+                    await load(proxied, g_work, max(1, args.warmup // conc), conc)
+                d, g, own = Run(), Run(), []
+                cpu = 0.0
+                for _ in range(args.rounds):
+                    d.add(await load(direct, d_work, per_round, conc))
+                    gw_log.mark()
+                    cpu0 = sum(cpu_seconds(pr.pid) for pr in procs)
+                    g.add(await load(proxied, g_work, per_round, conc))
+                    cpu += sum(cpu_seconds(pr.pid) for pr in procs) - cpu0
+                    await asyncio.sleep(0.2)  # the log is written in batches
+                    own += gw_log.since_mark()
+                dq = [pct(d.latencies, q) * 1000 for q in (50, 90, 99)]
+                gq = [pct(g.latencies, q) * 1000 for q in (50, 90, 99)]
+                own_s = f"{pct(own, 50):.3f}/{pct(own, 99):.3f}" if own else "-"
+                ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory else ""
+                print(f"{mode:<7}{conc:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
+                      f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
+                      f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
+                      f"{d.rps:>6.0f}/{g.rps:<6.0f} | {cpu / len(g.latencies) * 1000:>5.2f}ms | {own_s:>18}{ctx}",
                       flush=True)
-        lines = (workdir / "gateway.log").read_bytes().splitlines()
-        overhead = [orjson.loads(x)["gateway_ms"] for x in lines if b'"event":"request"' in x]
-        if overhead:
-            q = statistics.quantiles(overhead, n=100)
-            print(f"gateway's own gateway_ms (from its log, {len(overhead)} requests): "
-                  f"p50 {q[49]:.3f} p90 {q[89]:.3f} p99 {q[98]:.3f} ms")
     finally:
-        for proc in (gateway, fake):
+        for proc in (*procs, fake):
             proc.send_signal(signal.SIGINT)
-        for proc in (gateway, fake):
+        for proc in (*procs, fake):
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
