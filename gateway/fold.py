@@ -21,14 +21,15 @@ the cap forces another compression.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from gateway.model import Turn
 
 Count = Callable[[str], int]
+T = TypeVar("T")
 EARLIER = "Earlier:"
 RECENT = "Recent:"
 
@@ -44,6 +45,7 @@ class Summarizer(Protocol):
     name: str  # "llm" | "extractive"
     count: Count
     budget_tokens: int  # most input tokens one call may take (chunks are cut to fit)
+    local: bool  # CPU only, its coroutines never wait: a fold of it can run whole in a thread (run_local)
 
     async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
                         max_tokens: int) -> SummaryResult:
@@ -249,3 +251,18 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Tu
         text = capped.text
         position += len(chunk)
     return SummaryResult(text, tokens_in, tokens_out)
+
+
+def run_local(coro: Coroutine[Any, Any, T]) -> T:
+    """Run to its end, in this thread, a coroutine that never waits: a local summarizer's fold.
+
+    The pipeline above is written once, as coroutines, for summarizers that wait on HTTP. With a
+    `local` summarizer nothing in it suspends, so one `send` runs it whole: the worker hands a
+    fold to a thread in one piece instead of hopping to a thread for every summarizer call.
+    """
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("run_local: the coroutine waited on something (not a local summarizer?)")

@@ -206,9 +206,16 @@ def extractive_summary(messages: Sequence[tuple[str, str]], max_tokens: int, cou
 
 
 class ExtractiveSummarizer:
-    """Local summarizer: keeps the sentences that carry facts, each prefixed by its speaker."""
+    """Local summarizer: keeps the sentences that carry facts, each prefixed by its speaker.
+
+    CPU only (regexes over every sentence), and its coroutines never wait on anything: `local`
+    tells the fold worker to run a whole fold of it in one thread (`fold.run_local`), so a large
+    fold never stalls the event loop that serves requests in `gateway serve`, at one hand-off
+    per fold rather than one per call.
+    """
 
     name = "extractive"
+    local = True
 
     def __init__(self, count: Count, *, budget_tokens: int = 1_000_000) -> None:
         self.count = remembering(count)
@@ -216,27 +223,18 @@ class ExtractiveSummarizer:
 
     async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
                         max_tokens: int) -> SummaryResult:
-        # CPU-bound (regexes over every sentence): in a thread, so a large fold never stalls the
-        # event loop that serves requests in `gateway serve`.
-        return await asyncio.to_thread(self._summarize, previous, turns)
-
-    @staticmethod
-    def _summarize(previous: str, turns: Sequence[Turn]) -> SummaryResult:
         old = [ln for ln in previous.splitlines() if ln.strip()]
         new = [line for _, line in extract_lines(turns)]
         # The cap (fold.cap_summary) decides what moves to Earlier; here nothing is lost.
         return SummaryResult("\n".join(dedupe(new, kept_first=old)))
 
     async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
-        def run() -> SummaryResult:
-            lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
-            return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
-
-        return await asyncio.to_thread(run)
+        lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
+        return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
 
     async def update_state(self, ledger: state.Ledger, turns: Sequence[Turn], start: int, *,
                            now: str | None = None) -> tuple[state.Ledger, int, int]:
-        return await asyncio.to_thread(state.extract, ledger, turns, start, now=now), 0, 0
+        return state.extract(ledger, turns, start, now=now), 0, 0
 
     async def close(self) -> None:
         return None
@@ -287,6 +285,7 @@ class LlmSummarizer:
     """
 
     name = "llm"
+    local = False  # waits on HTTP: the worker awaits it on the event loop
 
     def __init__(self, upstream_name: str, upstream: UpstreamSettings, *, model: str, max_tokens: int,
                  count: Count, budget_tokens: int, session: aiohttp.ClientSession | None = None) -> None:
@@ -300,7 +299,6 @@ class LlmSummarizer:
         self.budget_tokens = budget_tokens
         self._session = session
         self._own_session = session is None
-        self._fallback = ExtractiveSummarizer(count)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -377,7 +375,7 @@ class LlmSummarizer:
             update = state.StateUpdate.model_validate(orjson.loads(_json_body(result.text)))
         except (orjson.JSONDecodeError, ValidationError):
             log.info("summarizer.state_fallback", reason="invalid JSON from the summarizer")
-            fallback, _, _ = await self._fallback.update_state(ledger, turns, start, now=now)
+            fallback = await asyncio.to_thread(state.extract, ledger, turns, start, now=now)  # CPU: off the loop
             return fallback, result.tokens_in, result.tokens_out
         return state.apply_update(ledger, update, time=now), result.tokens_in, result.tokens_out
 

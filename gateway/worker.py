@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.exceptions import ResponseError
 
@@ -98,6 +98,16 @@ def parse_job(job_id: Any, fields: dict[Any, Any] | None) -> Job | None:
     return Job(id=_s(job_id), ref=ConvRef(f["t"], f["c"], f.get("p") or None), urgent=f.get("u") == "1")
 
 
+class _Proposal(NamedTuple):
+    """A ledger update computed ahead of its CAS write: from `ledger` at `version`, `updated`."""
+
+    ledger: state.Ledger
+    updated: state.Ledger
+    version: int
+    tokens_in: int
+    tokens_out: int
+
+
 def _now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -108,6 +118,7 @@ class FoldWorker:
         self.store = store
         self.settings = settings
         self.summarizer = summarizer
+        self.local = bool(getattr(summarizer, "local", False))  # see fold.run_local
         self.metrics = metrics
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         w = settings.memory.worker
@@ -318,18 +329,25 @@ class FoldWorker:
         view, aged, covers, target = due
         previous = view.summary
         version = previous.version if previous is not None else 0
-        result = await fold.fold_summary(self.summarizer, previous.text if previous is not None else "", aged,
-                                         covers, max_tokens=mem.max_summary_tokens)
+        text = previous.text if previous is not None else ""
+        proposal: _Proposal | None = None
+        if self.local:
+            # All of a local fold's CPU in one hand-off to a thread: the summary, and the ledger's
+            # update from the state `load` just returned (written after the commit, by CAS).
+            result, tokens, proposal = await asyncio.to_thread(
+                self._fold_local, text, aged, covers, view.state, view.state_version)
+        else:
+            result = await fold.fold_summary(self.summarizer, text, aged, covers, max_tokens=mem.max_summary_tokens)
+            tokens = self.summarizer.count(result.text)
         chain = aged[-1].chain
-        summary = Summary(text=result.text, covers=target, version=version + 1,
-                          tokens=self.summarizer.count(result.text), chain=chain)
+        summary = Summary(text=result.text, covers=target, version=version + 1, tokens=tokens, chain=chain)
         tokens_in, tokens_out = result.tokens_in, result.tokens_out
         if not await self.store.commit_fold(ref, expect_version=version, summary=summary):
             log.info("fold.conflict", conversation=ref.conversation, covers=target)
             await self._spent(ref, tokens_in, tokens_out, folds=0)
             return "conflict"
         try:
-            s_in, s_out = await self._update_state(ref, aged, covers)
+            s_in, s_out = await self._update_state(ref, aged, covers, proposal)
         except Exception as exc:  # the summary is committed; the ledger catches up at the next fold
             log.warning("fold.state_failed", conversation=ref.conversation, error=type(exc).__name__)
             s_in = s_out = 0
@@ -338,16 +356,37 @@ class FoldWorker:
                  summarizer=self.summarizer.name)
         return "ok"
 
-    async def _update_state(self, ref: ConvRef, aged: list[Any], start: int) -> tuple[int, int]:
-        """Merge what the aged messages say into the (maybe project-shared) ledger, by CAS."""
+    def _fold_local(self, text: str, aged: list[Any], covers: int, state_data: dict[str, Any] | None,
+                    state_version: int) -> tuple[fold.SummaryResult, int, _Proposal]:
+        """A local summarizer's fold, in a worker thread: (summary, its tokens, the ledger's update)."""
+        mem = self.settings.memory
+        result = fold.run_local(fold.fold_summary(self.summarizer, text, aged, covers,
+                                                  max_tokens=mem.max_summary_tokens))
+        ledger = state.load(state_data)
+        updated, s_in, s_out = fold.run_local(self.summarizer.update_state(ledger, aged, covers, now=_now_iso()))
+        return result, self.summarizer.count(result.text), _Proposal(ledger, updated, state_version, s_in, s_out)
+
+    async def _update_state(self, ref: ConvRef, aged: list[Any], start: int,
+                            proposal: _Proposal | None = None) -> tuple[int, int]:
+        """Merge what the aged messages say into the (maybe project-shared) ledger, by CAS.
+
+        `proposal`: the update already computed from the ledger the fold loaded; when another
+        conversation of the project wrote the ledger since, the CAS refuses it and it is redone.
+        """
         spent_in = spent_out = 0
         for _ in range(3):  # other conversations of the project may write the ledger meanwhile
-            data, version = await self.store.get_state(ref)
-            ledger = state.load(data)
-            updated, tin, tout = await self.summarizer.update_state(ledger, aged, start, now=_now_iso())
+            if proposal is None:
+                data, version = await self.store.get_state(ref)
+                ledger = state.load(data)
+                call = self.summarizer.update_state(ledger, aged, start, now=_now_iso())
+                # A local summarizer computes on the calling thread: not on the event loop's.
+                updated, tin, tout = await (asyncio.to_thread(fold.run_local, call) if self.local else call)
+            else:
+                ledger, updated, version, tin, tout = proposal
+                proposal = None
             spent_in += tin
             spent_out += tout
-            if updated == ledger:
+            if updated is ledger or updated == ledger:
                 return spent_in, spent_out
             if await self.store.put_state(ref, updated.dump(), expect_version=version):
                 return spent_in, spent_out

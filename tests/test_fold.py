@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import fold
+from gateway import fold, state
 from gateway.fold import SummaryResult
 from gateway.model import Turn
 from gateway.shape import shape_for
@@ -185,3 +187,29 @@ async def test_extractive_summary_never_over_cap(chunks: list[str], cap: int) ->
         r = await fold.fold_summary(s, text, [turn], i, max_tokens=cap)
         text = r.text
         assert words(text) <= cap
+
+
+async def _waits() -> int:
+    await asyncio.sleep(0)
+    return 1
+
+
+async def _returns() -> int:
+    return 2
+
+
+def test_run_local_runs_a_coroutine_that_never_waits() -> None:
+    """run_local returns a never-waiting coroutine's result in the calling thread and refuses one that waits."""
+    assert fold.run_local(_returns()) == 2
+    with pytest.raises(RuntimeError):
+        fold.run_local(_waits())
+
+
+def test_extractive_fold_runs_local() -> None:
+    """A whole extractive fold, summary and ledger update, runs to its end with run_local (no event loop)."""
+    s = ExtractiveSummarizer(words)
+    turns = [msg("user", "We must never log card numbers."), msg("assistant", "Noted, never."), *dialogue(8)]
+    result = fold.run_local(fold.fold_summary(s, "", turns, 0, max_tokens=50))
+    assert "user: We must never log card numbers." in result.text
+    ledger, _, _ = fold.run_local(s.update_state(state.Ledger(), turns, 0))
+    assert [i.text for i in ledger.active("constraints")] == ["We must never log card numbers."]

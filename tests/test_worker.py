@@ -255,3 +255,37 @@ async def test_extractive_120_turns_keeps_planted_facts(store: Store) -> None:
           f"{sum(in_state.values())}/{len(PLANTED)}")
     assert all(in_summary.values()), in_summary
     assert folds >= 20
+
+
+async def test_ledger_update_loses_cas_to_a_concurrent_write_and_is_redone(store: Store) -> None:
+    """A local fold's ledger update, computed from the state it loaded, is redone on a fresh read when its CAS fails."""
+    settings = Settings()
+    w = worker.FoldWorker(store, settings, build_summarizer(settings, count), name="w1")
+    await add(store, REF, [("user", "We must never log card numbers."), ("assistant", "ok"), *numbered(2, 18)])
+    commit = store.commit_fold
+
+    async def commit_then_someone_writes(*args: Any, **kwargs: Any) -> bool:
+        ok = await commit(*args, **kwargs)
+        data, version = await store.get_state(REF)
+        edited = state.apply_edits(state.load(data), {"goal": "A billing service for Orion."}, time=None)
+        assert await store.put_state(REF, edited.dump(), expect_version=version)
+        return ok
+
+    store.commit_fold = commit_then_someone_writes  # type: ignore[method-assign]
+    assert await w.fold_conversation(REF) == "ok"
+    data, version = await store.get_state(REF)
+    ledger = state.load(data)
+    assert version == 2
+    assert [i.text for i in ledger.active("goal")] == ["A billing service for Orion."]
+    assert [i.text for i in ledger.active("constraints")] == ["We must never log card numbers."]
+
+
+async def test_fold_with_nothing_durable_leaves_the_ledger_unwritten(store: Store) -> None:
+    """A fold whose messages state nothing for the ledger commits the summary and does not write the state."""
+    settings = Settings()
+    w = worker.FoldWorker(store, settings, build_summarizer(settings, count), name="w1")
+    await add(store, REF, numbered(0, 20))
+    assert await w.fold_conversation(REF) == "ok"
+    view = await store.load(REF)
+    assert view.summary is not None and view.summary.covers == 10
+    assert view.state is None and view.state_version == 0
