@@ -49,8 +49,12 @@ length term for sessions (no change).
 Cost: ``add`` is O(message length). Postings are per-term ``array('I')`` of
 ``position << 8 | tf`` (4 bytes a posting, tf capped at 255), a bare int while a term has one
 posting; terms are interned so cached conversations share their strings: ~0.9 MB for 1,000
-messages. ``search`` walks the query words' postings plus O(messages) for the session and time
-priors: ~0.6 ms p50, ~1.2 ms p99 on ~1,000 messages.
+messages. ``search`` walks the postings of the query words that rank (not those in more than half
+the messages), reads per-session frequencies cached per queried term (brought up to date from new
+postings only), lifts the messages of the sessions above the median, and is O(messages) for the
+time prior only when the question names a time: 0.43 ms p50, 0.76 ms p99 on the dev file's
+~500-message conversations (``scripts/tune_retrieval.py``; 0.49 / 1.09 ms when every query summed
+every posting of its words per session).
 """
 
 from __future__ import annotations
@@ -317,8 +321,8 @@ class RetrievalIndex:
     """Incremental lexical index over one conversation's messages, by position."""
 
     __slots__ = (
-        "_events", "_last_secs", "_lengths", "_p", "_postings", "_secs", "_sess_len", "_sess_start",
-        "_session", "_tokens", "_total_len",
+        "_cost", "_events", "_last_secs", "_lengths", "_p", "_postings", "_secs", "_sess_len", "_sess_start",
+        "_sess_tf", "_session", "_tokens", "_total_len",
     )
 
     def __init__(self, params: RankingParams | None = None) -> None:
@@ -326,8 +330,14 @@ class RetrievalIndex:
         # term -> postings `position << 8 | tf`, ascending; a bare int while the term has one posting,
         # since ~40% of a conversation's words occur once and an array costs 80 bytes of overhead.
         self._postings: dict[str, int | array[int]] = {}
+        # Query term -> (postings consumed, `session << 32 | tf summed over the session's messages`
+        # ascending): the session prior's per-session frequencies, brought up to date from the new
+        # postings when the term is queried again, instead of summing every posting per query.
+        # Only queried terms with several postings: a copy for every term would double the index.
+        self._sess_tf: dict[str, tuple[int, array[int]]] = {}
         self._lengths = array("I")  # indexed words per message (BM25 length)
         self._tokens = array("I")  # caller's token count per message (budgeting)
+        self._cost = array("d")  # max(tokens, 1) ** cost_alpha: the fill's divisor, computed once
         self._session = array("I")  # session number per message
         self._secs = array("d")  # wall-clock seconds of the message's time, NaN if unknown
         self._last_secs = math.nan  # latest known time: the reference for session gaps
@@ -357,16 +367,6 @@ class RetrievalIndex:
         tf: dict[str, int] = {}
         for t in terms:
             tf[t] = tf.get(t, 0) + 1
-        postings = self._postings
-        for t, f in tf.items():
-            packed = index << 8 | min(f, 255)
-            plist = postings.get(t)
-            if plist is None:
-                postings[t] = packed
-            elif isinstance(plist, int):
-                postings[t] = array("I", (plist, packed))
-            else:
-                plist.append(packed)
 
         secs = _wall_seconds(when) if when is not None else math.nan
         new_session = index == 0 or stamped
@@ -379,6 +379,17 @@ class RetrievalIndex:
             self._sess_start.append(index)
             self._sess_len.append(0)
         self._session.append(len(self._sess_start) - 1)
+
+        postings = self._postings
+        for t, f in tf.items():
+            packed = index << 8 | min(f, 255)
+            plist = postings.get(t)
+            if plist is None:
+                postings[t] = packed
+            elif isinstance(plist, int):
+                postings[t] = array("I", (plist, packed))
+            else:
+                plist.append(packed)
         self._sess_len[-1] += len(terms)
         self._secs.append(secs)
         if secs == secs:
@@ -389,6 +400,7 @@ class RetrievalIndex:
                 self._events[index] = tuple(spans)
         self._lengths.append(len(terms))
         self._tokens.append(max(0, tokens))
+        self._cost.append(max(tokens, 1) ** p.cost_alpha)
         self._total_len += len(terms)
 
     def truncate(self, length: int) -> None:
@@ -419,6 +431,7 @@ class RetrievalIndex:
         self._last_secs = next((t for t in reversed(self._secs) if t == t), math.nan)
         for i in [i for i in self._events if i >= length]:
             del self._events[i]
+        del self._cost[length:]
         del self._session[length:]
         nsess = self._session[-1] + 1 if length else 0
         del self._sess_start[nsess:]
@@ -426,6 +439,7 @@ class RetrievalIndex:
         if nsess:
             start = self._sess_start[-1]
             self._sess_len[-1] = sum(self._lengths[start:length])
+        self._sess_tf.clear()  # rare (a branch): rebuilt from the postings as terms are queried
 
     def search(
         self,
@@ -525,23 +539,20 @@ class RetrievalIndex:
     def _add_session_prior(
         self, weights: dict[str, float], scores: dict[int, float], n: int, top: float
     ) -> None:
-        p = self._p
-        session = self._session
         nsess = len(self._sess_start)
-        k1 = p.session_k1
+        if nsess <= 1:
+            return  # one session is its own median: no session stands out
+        k1 = self._p.session_k1
         sess_scores: dict[int, float] = {}
         for t, w in weights.items():
-            entry = self._postings.get(t)
-            if entry is None:
+            plist = self._session_tf(t)
+            if not plist:
                 continue
-            plist: Sequence[int] = (entry,) if isinstance(entry, int) else entry
-            tf: dict[int, int] = {}
-            for packed in plist:
-                s = session[packed >> 8]
-                tf[s] = tf.get(s, 0) + (packed & 255)
-            sdf = len(tf)
+            sdf = len(plist)
             idf = w * math.log(1.0 + (nsess - sdf + 0.5) / (sdf + 0.5))
-            for s, f in tf.items():
+            for packed in plist:
+                s = packed >> 32
+                f = packed & 0xFFFFFFFF
                 sess_scores[s] = sess_scores.get(s, 0.0) + idf * f * (k1 + 1.0) / (f + k1)
         # Relative to a typical session (the median, usually 0): a prior that lifts every session alike,
         # as in a one-session conversation, would only let short off-topic turns win on density.
@@ -551,7 +562,7 @@ class RetrievalIndex:
         best = values[-1] - typical
         if best <= 0:
             return
-        scale = p.session_weight * top / best
+        scale = self._p.session_weight * top / best
         starts = self._sess_start
         get = scores.get
         for s, v in sess_scores.items():
@@ -561,6 +572,25 @@ class RetrievalIndex:
             end = starts[s + 1] if s + 1 < nsess else n
             for d in range(starts[s], end):
                 scores[d] = get(d, 0.0) + bonus
+
+    def _session_tf(self, term: str) -> Sequence[int]:
+        """`session << 32 | tf` per session containing `term`, ascending (message tfs as capped in postings)."""
+        entry = self._postings.get(term)
+        if entry is None:
+            return ()
+        session = self._session
+        if isinstance(entry, int):
+            return (session[entry >> 8] << 32 | (entry & 255),)
+        done, sess = self._sess_tf.get(term) or (0, array("Q"))
+        for i in range(done, len(entry)):
+            packed = entry[i]
+            s = session[packed >> 8]
+            if sess and sess[-1] >> 32 == s:
+                sess[-1] += packed & 255
+            else:
+                sess.append(s << 32 | (packed & 255))
+        self._sess_tf[term] = (len(entry), sess)
+        return sess
 
     def _add_time_prior(self, spans: list[_Span], scores: dict[int, float], n: int, top: float) -> None:
         secs = self._secs
@@ -589,10 +619,11 @@ class RetrievalIndex:
     ) -> list[Excerpt]:
         excluded = exclude if callable(exclude) else exclude.__contains__
         toks = self._tokens
-        alpha = self._p.cost_alpha
-        if alpha > 0:
+        if self._p.cost_alpha > 0:
             # Value per token: a long answer matching on a few words should not crowd out ten short turns.
-            ranked = sorted(scores, key=lambda d: scores[d] / max(toks[d], 1) ** alpha, reverse=True)
+            div = self._cost
+            value = {d: s / div[d] for d, s in scores.items()}
+            ranked = sorted(value, key=value.__getitem__, reverse=True)
         else:
             ranked = sorted(scores, key=scores.__getitem__, reverse=True)
         left = budget

@@ -148,3 +148,33 @@ def test_plain_params_still_search() -> None:
         index.add(i, role, text, time, 10)
     hits = index.search("cat Luna", budget_tokens=10)
     assert [e.index for e in hits] == [7]
+
+
+@pytest.mark.parametrize("cut", [0, 1, 25, 30, 31, 59])
+def test_truncate_then_add_equals_a_fresh_index(cut: int) -> None:
+    """Cutting back mid-session and re-adding gives the postings, session frequencies and rankings of a fresh index."""
+    msgs = _conversation(60, plant={24: "my cat Luna and the cat flap", 33: "Luna the cat again, cat cat"})
+    replaced = [*msgs[:cut], *_conversation(70, plant={40: "a new cat named Miso"}, day=2)[cut:]]
+    index = _index(msgs)
+    index.truncate(cut)
+    for i in range(cut, len(replaced)):
+        role, text, time = replaced[i]
+        index.add(i, role, text, time, 20)
+    fresh = _index(replaced)
+    assert index._postings == fresh._postings
+    for query in ("my cat Luna", "cat named Miso", "healthy dinners and workouts"):
+        assert index.search(query, budget_tokens=300) == fresh.search(query, budget_tokens=300)
+    assert all(list(index._session_tf(t)) == list(fresh._session_tf(t)) for t in fresh._postings)
+
+
+def test_session_frequencies_follow_added_messages() -> None:
+    """A term's per-session frequencies, cached when it is queried, take in messages added afterwards."""
+    msgs = _conversation(45, plant={3: "cat cat", 14: "cat", 27: "cat"})
+    index = _index(msgs[:30])
+    index.search("cat", budget_tokens=300)  # caches the term's session frequencies
+    for i in range(30, 45):
+        role, text, time = msgs[i]
+        index.add(i, role, "cat " + text if i in (31, 32, 44) else text, time, 20)
+    fresh = _index([(r, "cat " + t if i in (31, 32, 44) else t, tm) for i, (r, t, tm) in enumerate(msgs)])
+    assert list(index._session_tf("cat")) == list(fresh._session_tf("cat")) == [
+        0 << 32 | 2, 1 << 32 | 1, 2 << 32 | 1, 3 << 32 | 2, 4 << 32 | 1]
