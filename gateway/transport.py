@@ -405,13 +405,17 @@ class _Pool:
             waiter = self.loop.create_future()
             self.waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter, max(deadline - self.loop.time(), 0))
-            except TimeoutError:
-                raise UpstreamTimeout(f"no free upstream connection within {timeout:g} s "
-                                      f"(pool_size {self.endpoint.pool_size})") from None
-            finally:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except BaseException as exc:
                 if waiter in self.waiters:
                     self.waiters.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken as it gave up: pass the free place on, or it is lost
+                if isinstance(exc, TimeoutError):
+                    raise UpstreamTimeout(f"no free upstream connection within {timeout:g} s "
+                                          f"(pool_size {self.endpoint.pool_size})") from None
+                raise
             conn = self._idle()
             if conn is not None:
                 return conn

@@ -352,3 +352,33 @@ async def test_tls_upstream(ca: trustme.CA) -> None:
                 await default.request(Endpoint.of(url, FAST), "GET", "/", [])
         finally:
             await default.close()
+
+
+async def test_cancelled_waiter_passes_its_place_on(client: HTTPClient) -> None:
+    """A call that gives up while waiting for a full pool does not swallow the free place meant for it."""
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path == "/hold":
+            await release.wait()
+        return web.Response(text=request.path)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handler)
+    async with app_server(app) as base:
+        ep = Endpoint.of(base, Timeouts(connect=5, read=5, total=10), pool_size=1)
+        holder = asyncio.create_task(client.request(ep, "GET", "/hold", []))
+        await asyncio.sleep(0.05)
+        quitter = asyncio.create_task(client.request(ep, "GET", "/quit", []))
+        patient = asyncio.create_task(client.request(ep, "GET", "/patient", []))
+        await asyncio.sleep(0.05)
+        release.set()
+        resp = await holder
+        await resp.read()
+        resp.release()  # wakes the first waiter, the quitter ...
+        quitter.cancel()  # ... which gives up in the same tick
+        with pytest.raises(asyncio.CancelledError):
+            await quitter
+        resp = await asyncio.wait_for(patient, 2)
+        assert await resp.read() == b"/patient"
+        resp.release()
