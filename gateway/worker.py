@@ -4,8 +4,10 @@ The loop (after arq): poll → claim → run → record. A job names a conversat
 out what to fold at the time it runs (`fold.fold_target`), so a duplicate or stale job is a
 harmless no-op. Delivery is at-least-once and the commit idempotent:
 
-- poll: first this consumer's own pending jobs (a retry after a breaker pause), then jobs of
-  crashed consumers idle longer than `worker.claim_idle_ms` (XAUTOCLAIM), then new ones (`>`).
+- poll: first this consumer's own pending jobs (a retry after a breaker pause; not asked while
+  the worker knows it has none), then jobs of crashed consumers idle longer than
+  `worker.claim_idle_ms` (XAUTOCLAIM; after one that found none, not asked again for
+  `_POLL_SECONDS`), then new ones (`>`).
 - claim: a per-conversation lock (SET NX PX) so one fold per conversation runs at a time; a
   heartbeat keeps the lock and the job's idle time fresh while a long fold runs.
 - run: load summary + aged messages, summarize, `store.commit_fold(expect_version=…)`. The CAS
@@ -132,6 +134,10 @@ class FoldWorker:
         # many attempts; the conversation enqueues itself again on its next turn.
         self.max_attempts = w.max_failures * 3
         self._attempts: dict[str, int] = {}
+        # Jobs delivered to this consumer and not acked yet, when known (None: a restart under the
+        # same name may have left some). While it is 0 the poll need not ask the group for them.
+        self._unacked: int | None = None
+        self._reclaim_after = 0.0  # monotonic time before which XAUTOCLAIM is not asked again
         self.busy = False  # a job is being handled (pool.stop lets it finish; idle workers are cancelled)
 
     # -- loop ------------------------------------------------------------------------------------
@@ -174,29 +180,41 @@ class FoldWorker:
 
     async def _next(self, *, block: bool) -> tuple[str | None, Job | None]:
         group, stream = Keys.FOLD_GROUP, self.stream
-        # 1. own pending jobs: left unacked by a breaker pause or a busy lock.
-        mine: Any = await self.redis.xreadgroup(group, self.name, {stream: "0"}, count=1)
-        for _, entries in mine or []:
+        # 1. own pending jobs: left unacked by a breaker pause, a busy lock or a store error.
+        if self._unacked != 0:
+            mine: Any = await self.redis.xreadgroup(group, self.name, {stream: "0"}, count=1)
+            for _, entries in mine or []:
+                for job_id, fields in entries:
+                    return _s(job_id), parse_job(job_id, fields)
+            self._unacked = 0
+        # 2. jobs of crashed consumers. They have been idle for claim_idle_ms (a second at least):
+        # after an XAUTOCLAIM that found none, asking again within _POLL_SECONDS finds none sooner.
+        now = time.monotonic()
+        if now >= self._reclaim_after:
+            claimed: Any = await self.redis.xautoclaim(stream, group, self.name,
+                                                  min_idle_time=self.settings.memory.worker.claim_idle_ms,
+                                                  start_id="0-0", count=1)
+            entries = claimed[1] if claimed and len(claimed) > 1 else []
             for job_id, fields in entries:
-                return _s(job_id), parse_job(job_id, fields)
-        # 2. jobs of crashed consumers.
-        claimed: Any = await self.redis.xautoclaim(stream, group, self.name,
-                                              min_idle_time=self.settings.memory.worker.claim_idle_ms,
-                                              start_id="0-0", count=1)
-        entries = claimed[1] if claimed and len(claimed) > 1 else []
-        for job_id, fields in entries:
-            log.info("fold.reclaimed", job=_s(job_id), worker=self.name)
-            return _s(job_id), parse_job(job_id, fields)
+                log.info("fold.reclaimed", job=_s(job_id), worker=self.name)
+                return self._delivered(job_id, fields)
+            self._reclaim_after = now + _POLL_SECONDS
         # 3. new jobs. fakeredis returns at once even with BLOCK: never rely on the block.
         started = time.monotonic()
         new: Any = await self.redis.xreadgroup(group, self.name, {stream: ">"}, count=1,
                                           block=_BLOCK_MS if block else None)
         for _, entries in new or []:
             for job_id, fields in entries:
-                return _s(job_id), parse_job(job_id, fields)
+                return self._delivered(job_id, fields)
         if block and time.monotonic() - started < _BLOCK_MS / 2000:
             await self._wait_for_job(_POLL_SECONDS)
         return None, None
+
+    def _delivered(self, job_id: Any, fields: dict[Any, Any] | None) -> tuple[str, Job | None]:
+        """A job the group just handed to this consumer: pending on it until acked."""
+        if self._unacked is not None:
+            self._unacked += 1
+        return _s(job_id), parse_job(job_id, fields)
 
     async def _wait_for_job(self, seconds: float) -> None:
         """Sleep until this process queues a fold, `stop()`, or `seconds` pass."""
@@ -216,7 +234,9 @@ class FoldWorker:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xack(self.stream, Keys.FOLD_GROUP, job_id)
             pipe.xdel(self.stream, job_id)
-            await pipe.execute()
+            acked, _ = await pipe.execute()
+        if self._unacked:
+            self._unacked = max(0, self._unacked - int(acked))
         self._attempts.pop(job_id, None)
 
     # -- one job ---------------------------------------------------------------------------------

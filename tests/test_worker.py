@@ -289,3 +289,19 @@ async def test_fold_with_nothing_durable_leaves_the_ledger_unwritten(store: Stor
     view = await store.load(REF)
     assert view.summary is not None and view.summary.covers == 10
     assert view.state is None and view.state_version == 0
+
+
+async def test_a_worker_that_found_nothing_to_reclaim_still_reclaims_later(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an XAUTOCLAIM that found nothing, a job abandoned later is reclaimed once _POLL_SECONDS have passed."""
+    monkeypatch.setattr(worker, "_POLL_SECONDS", 0.05)
+    settings = with_worker(Settings(), claim_idle_ms=50)
+    w = worker.FoldWorker(store, settings, build_summarizer(settings, count), name="rescuer")
+    await w.run(burst=True)  # nothing queued: its XAUTOCLAIM found nothing
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    taken = await store.redis.xreadgroup(store.keys.FOLD_GROUP, "crashed", {store.keys.fold_stream(): ">"}, count=1)
+    assert taken  # delivered to a consumer that will never ack it
+    await asyncio.sleep(0.1)
+    await w.run(burst=True)
+    assert (await store.load(REF)).summary is not None and await worker.queued(store) == 0
