@@ -440,13 +440,15 @@ class Memory:
         runs.append((start, stop, replied))
         _bounded_put(self._stored_runs, key, runs[-64:], self._cache_size)
 
-    async def _store_turns(self, req: _Request, reply: list[Turn], turns: list[Turn]) -> AppendResult | None:
-        """Append / branch as the decision says; None when there is nothing to store."""
+    async def _store_turns(self, req: _Request, reply: list[Turn], turns: list[Turn],
+                           stats: dict[str, int]) -> AppendResult | None:
+        """Append / branch as the decision says, adding `stats` in the same call; None when there is
+        nothing to store (the caller adds the stats then)."""
         shape, decision, view, ref = req.shape, req.decision, req.view, req.ref
         result: AppendResult | None
         if decision.action in ("new", "extend", "delta"):
             result = await self.store.append(ref, turns, base_length=decision.base,
-                                             base_chain=decision.base_chain, dialect=shape.dialect)
+                                             base_chain=decision.base_chain, dialect=shape.dialect, stats=stats)
         elif decision.action == "prefix":
             stored_next = decision.base - view.tail_start
             same = bool(0 <= stored_next < len(view.tail) and reply
@@ -461,13 +463,13 @@ class Memory:
                 result = None  # a retry that got the same answer: nothing to store twice
             elif decision.base == view.length:
                 result = await self.store.append(ref, reply, base_length=decision.base,
-                                                 base_chain=decision.base_chain, dialect=shape.dialect)
+                                                 base_chain=decision.base_chain, dialect=shape.dialect, stats=stats)
             else:
                 result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
-                                                 turns=reply, dialect=shape.dialect)
+                                                 turns=reply, dialect=shape.dialect, stats=stats)
         else:  # branch
             result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
-                                             turns=turns, dialect=shape.dialect)
+                                             turns=turns, dialect=shape.dialect, stats=stats)
         return result
 
     async def _record(self, req: _Request, items: list[dict[str, Any]], usage: Usage,
@@ -478,10 +480,17 @@ class Memory:
         turns = [*req.new_turns, *reply]
         replied = replied or time.monotonic()
         conv, storing = _key(ref), (len(turns), replied)
+        plan = req.plan
+        stats = {"requests": 1, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+                 "cache_read_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens}
+        if plan is not None:
+            stats |= {"tokens_original": plan.tokens_original, "tokens_forwarded": plan.tokens_forwarded,
+                      "tokens_saved": plan.tokens_original - plan.tokens_forwarded - req.summarizer_charge,
+                      "summarizer_tokens_charged": req.summarizer_charge}
         self._storing.setdefault(conv, []).append(storing)
         try:
             try:
-                result = await self._store_turns(req, reply, turns)
+                result = await self._store_turns(req, reply, turns, stats)
             finally:
                 pending = self._storing.get(conv, [])
                 if storing in pending:
@@ -492,14 +501,8 @@ class Memory:
                 start = result.start if result.start >= 0 else result.length - result.appended
                 branched = decision.action == "branch" or (decision.action == "prefix" and decision.base < view.length)
                 self._note_stored(ref, start, start + result.appended, replied, branched=branched)
-            plan = req.plan
-            stats = {"requests": 1, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-                     "cache_read_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens}
-            if plan is not None:
-                stats |= {"tokens_original": plan.tokens_original, "tokens_forwarded": plan.tokens_forwarded,
-                          "tokens_saved": plan.tokens_original - plan.tokens_forwarded - req.summarizer_charge,
-                          "summarizer_tokens_charged": req.summarizer_charge}
-            await self.store.add_stats(ref, **stats)
+            if result is None:
+                await self.store.add_stats(ref, **stats)
             if result is not None and not result.ok:
                 log.info("memory.record_conflict", conversation=ref.conversation, reason=result.reason)
                 return

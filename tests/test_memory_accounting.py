@@ -57,3 +57,34 @@ async def test_long_turns_fold_by_tokens_before_the_message_batch(redis_url: str
         status, info = await g.api("GET", "by-tokens")
         assert status == 200
         assert info["summary"] is not None and info["summary"]["covers"] >= 4
+
+
+async def test_a_turn_costs_one_script_call_to_load_and_one_to_record(redis_url: str,
+                                                                       monkeypatch: Any) -> None:
+    """A turn that queues no fold sends the store one EVALSHA to load and one to record (turns and stats together)."""
+    async with memory_gateway(redis_url, memory={"fold_batch": 100, "fold_tokens": 100_000}) as g:
+        client = g.openai()
+        history: list[dict[str, Any]] = []
+        for i in range(3):
+            history.append({"role": "user", "content": user_text(i)})
+            _, reply = await openai_turn(g, client, "one-call", history)
+            history.append({"role": "assistant", "content": reply})
+        redis = g.app[STORE].redis
+        sent: list[str] = []
+        execute, pipeline = redis.execute_command, redis.pipeline
+
+        async def spy(*args: Any, **kwargs: Any) -> Any:
+            sent.append(str(args[0]).upper())
+            return await execute(*args, **kwargs)
+
+        def no_pipeline(*args: Any, **kwargs: Any) -> Any:
+            sent.append("PIPELINE")
+            return pipeline(*args, **kwargs)
+
+        monkeypatch.setattr(redis, "execute_command", spy)
+        monkeypatch.setattr(redis, "pipeline", no_pipeline)
+        history.append({"role": "user", "content": user_text(3)})
+        await openai_turn(g, client, "one-call", history)  # returns once the recording is done
+        assert sent == ["EVALSHA", "EVALSHA"]
+        stats = await g.app[STORE].stats(ConvRef(tenant_for(KEY), "one-call"))
+        assert stats["requests"] == 4

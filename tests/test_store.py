@@ -444,6 +444,23 @@ async def test_stats_counters(store: Store) -> None:
     assert (await store.load(REF)).stats == {"requests": 2, "tokens_saved": 100}
 
 
+async def test_append_and_branch_add_their_stats_stored_or_refused(store: Store) -> None:
+    """Stats passed to append or branch are added in the same call, also when the base check refuses the turns."""
+    first = turns("m", 2)
+    res = await store.append(REF, first, base_length=0, base_chain="", dialect="openai_chat",
+                             stats={"requests": 1, "tokens_saved": 7})
+    assert res.ok and res.appended == 2
+    refused = await store.append(REF, turns("x", 1), base_length=1, base_chain="not-the-chain",
+                                 dialect="openai_chat", stats={"requests": 1})
+    assert not refused.ok and refused.reason == "branched"
+    chains = await store.chains(REF)
+    res = await store.branch(REF, at=1, base_chain=chains[0], turns=turns("b", 3), dialect="openai_chat",
+                             stats={"requests": 1, "tokens_saved": -2, "input_tokens": 0})
+    assert res.ok and res.length == 4
+    assert await store.stats(REF) == {"requests": 3, "tokens_saved": 5, "input_tokens": 0}
+    assert [t.text for t in (await store.load(REF)).tail] == ["m0", "b0", "b1", "b2"]
+
+
 async def test_enqueue_fold_at_most_once(store: Store) -> None:
     """A conversation has at most one queued fold until fold_done; the job carries t, c, p, u."""
     ref = ConvRef("t", "c", "proj")
