@@ -75,7 +75,13 @@ _VALUES = re.compile(r"\d[\w.:/-]*|[\w.-]*/[\w./-]+|[A-Z]{2,}-\d+|\b[a-z]+_[a-z0
 @lru_cache(maxsize=8192)
 def score(sentence: str, role: str = "user") -> float:
     """How much a sentence is worth keeping: durable statements and concrete values score high."""
-    body = _SPEAKER.sub("", sentence)
+    # Cached twice: a kept sentence comes back as its summary line "role: sentence" (the
+    # compressor ranks lines), a new key with the same body, scored once rather than twice.
+    return _score_body(_SPEAKER.sub("", sentence), role)
+
+
+@lru_cache(maxsize=8192)
+def _score_body(body: str, role: str) -> float:
     words = body.split()
     if not words:
         return 0.0
