@@ -63,9 +63,18 @@ class Keys:
             # A brace in the prefix would become the hash tag and put every key in one slot.
             raise ValueError(f"key prefix must be non-empty and free of braces: {prefix!r}")
         self.prefix = prefix
+        # (tenant, conversation) -> tag: each request names its conversation's keys several times,
+        # and encoding an id checks it character by character.
+        self._tags: dict[tuple[str, str], str] = {}
 
     def tag(self, ref: ConvRef) -> str:
-        return f"{self.prefix}:{{{enc(ref.tenant)}:{enc(ref.conversation)}}}"
+        tag = self._tags.get((ref.tenant, ref.conversation))
+        if tag is None:
+            tag = f"{self.prefix}:{{{enc(ref.tenant)}:{enc(ref.conversation)}}}"
+            if len(self._tags) >= 4096:  # ids come from clients: bounded
+                self._tags.clear()
+            self._tags[ref.tenant, ref.conversation] = tag
+        return tag
 
     def conv(self, ref: ConvRef, part: str) -> str:
         return f"{self.tag(ref)}:{part}"
@@ -99,8 +108,9 @@ class Keys:
         return self.conv(ref, "lock")
 
     def conversation_keys(self, ref: ConvRef) -> list[str]:
-        """Every key owned by the conversation alone (not the project state, not the lock)."""
-        return [self.conv(ref, part) for part in self.CONVERSATION_PARTS]
+        """Every key owned by the conversation alone (not the project state, not the lock); a new list."""
+        tag = self.tag(ref)
+        return [f"{tag}:{part}" for part in self.CONVERSATION_PARTS]
 
     def fold_stream(self) -> str:
         return f"{self.prefix}:folds"

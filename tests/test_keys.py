@@ -73,3 +73,16 @@ def test_project_state_never_collides_with_a_conversation_key(t: str, c: str, p:
     """A project's state key can never equal a conversation's state key."""
     keys = Keys()
     assert keys.project_state(ConvRef(t, c, p or "x")) != keys.project_state(ConvRef(t, c))
+
+
+def test_tags_are_remembered_within_a_bound() -> None:
+    """Key names come out the same on every call while the remembered tags stay bounded."""
+    keys = Keys()
+    ref = ConvRef("t{1}", "c:%")
+    first = keys.conversation_keys(ref)
+    assert keys.conversation_keys(ref) == first and keys.conversation_keys(ref) is not first
+    assert first[0] == "gw:{t%7B1%7D:c%3A%25}:meta"
+    for i in range(5000):
+        keys.meta(ConvRef("t", f"c{i}"))
+    assert len(keys._tags) <= 4096
+    assert keys.conversation_keys(ref) == first
