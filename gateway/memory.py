@@ -201,8 +201,11 @@ class Memory:
         if cached is not None:
             raws, old_hashes, old_chains = cached
             limit = min(len(raws), len(history))
-            while same < limit and history[same] == raws[same]:
-                same += 1
+            if history[:limit] == raws[:limit]:
+                same = limit  # the usual resend, compared in one C loop
+            else:
+                while same < limit and history[same] == raws[same]:
+                    same += 1
             hashes, chains = old_hashes[:same], old_chains[:same]
         else:
             hashes, chains = [], []
@@ -301,10 +304,9 @@ class Memory:
             budget_tokens = min(budget_tokens, int(mem.retrieval_max_share * total_tokens)) - 20
             if not mem.retrieval.enabled or query_turn is None or budget_tokens <= 0:
                 return []
-            head_n = len(view.head)
             hits = self.recall.search(
-                key, query=query_turn.text, before=window_start, budget_tokens=budget_tokens,
-                exclude=lambda p: p < head_n, recent=recent, query_time=query_turn.time,
+                key, query=query_turn.text, after=len(view.head), before=window_start, budget_tokens=budget_tokens,
+                recent=recent, query_time=query_turn.time,
             )
             return [(h.position, Turn(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="",
                                       time=h.time)) for h in hits]

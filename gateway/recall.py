@@ -31,6 +31,10 @@ class _Entry:
     times: list[str | None] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     chains: list[str] = field(default_factory=list)
+    version: int = 0  # bumped by every change to the index: a remembered search is stale after one
+    # The last search (arguments, version, result): a retried or regenerated request asks again
+    # with the same question over the same messages.
+    last: tuple[tuple[object, ...], int, list[Recalled]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,8 @@ class RecallCache:
         self._entries.pop(key, None)
 
     def _add(self, entry: _Entry, turns: Sequence[Turn]) -> None:
+        if turns:
+            entry.version += 1
         for turn in turns:
             # Budgeted at what the excerpt will cost: its text plus its "[message N, role, time]"
             # header. Budgeting the text alone overfilled the block, and the renderer then dropped
@@ -76,6 +82,7 @@ class RecallCache:
         """The conversation branched at `length`: positions from there on are no longer history."""
         entry = self._entries.get(key)
         if entry is not None and len(entry.texts) > length:
+            entry.version += 1
             entry.index.truncate(length)
             for column in (entry.texts, entry.roles, entry.times, entry.tokens, entry.chains):
                 del column[length:]
@@ -107,24 +114,29 @@ class RecallCache:
         *,
         query: str,
         before: int,
-        exclude: Callable[[int], bool],
+        after: int = 0,
         budget_tokens: int,
         recent: Sequence[str] = (),
         query_time: str | None = None,
     ) -> list[Recalled]:
-        """Best earlier messages among positions < `before` that are not excluded, within budget."""
+        """Best earlier messages among positions [after, before), within budget."""
         entry = self._entries.get(key)
-        if entry is None or budget_tokens <= 0 or before <= 0:
+        if entry is None or budget_tokens <= 0 or before <= max(after, 0):
             return []
+        args = (query, after, before, budget_tokens, tuple(recent), query_time)
+        if entry.last is not None and entry.last[1] == entry.version and entry.last[0] == args:
+            return list(entry.last[2])
 
         def excluded(pos: int) -> bool:
-            return pos >= before or exclude(pos)
+            return pos >= before or pos < after
 
         hits = entry.index.search(
             query, budget_tokens=budget_tokens, exclude=excluded, recent=recent, query_time=query_time
         )
-        return [
+        found = [
             Recalled(h.index, entry.roles[h.index], entry.texts[h.index], entry.times[h.index],
                      entry.tokens[h.index])
             for h in hits
         ]
+        entry.last = (args, entry.version, found)
+        return list(found)
