@@ -4,8 +4,9 @@
 
 Prints, for the extractive and llm summarizers (llm against a fake OpenAI upstream on port 0, so
 its latency is the gateway's own part plus `--upstream-delay`):
-- the latency of one fold of 10 messages (load + summarize + CAS commit + ledger update);
-- the 120-turn sequence folded 10 messages at a time: total and per-fold latency;
+- the latency of one fold of 10 messages (load + summarize + CAS commit + ledger update), wall
+  and CPU (process time: the fold's own cost, whatever else runs on the machine);
+- the 120-turn sequence folded 10 messages at a time: total and per-fold latency, and CPU;
 - fact survival after 120 turns (8 planted durable facts; in the summary, in the state, either);
 - at turn 100, forwarded tokens (summary + state + window) as a share of the full history.
 The generated session and the fake upstream are the test suite's (tests/test_summarizer.py).
@@ -53,15 +54,16 @@ def with_store(settings: Settings, url: str) -> Settings:
     return settings.model_copy(update={"store": parse_settings({"store": {"url": url}}).store})
 
 
-async def one_fold(store: Store, settings: Settings, summarizer: Any, ref: ConvRef) -> float:
-    """Seconds for one fold of 10 messages (20 stored, keep_recent 10)."""
+async def one_fold(store: Store, settings: Settings, summarizer: Any, ref: ConvRef) -> tuple[float, float]:
+    """(wall, CPU) seconds for one fold of 10 messages (20 stored, keep_recent 10)."""
+    await store.delete(ref)  # a rerun against the same Redis starts from scratch
     await append(store, ref, planted_session(10, seed=3))
     w = worker.FoldWorker(store, settings, summarizer, name="bench")
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     result = await w.fold_conversation(ref)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     assert result == "ok", result
-    return elapsed
+    return elapsed, cpu
 
 
 async def sequence(store: Store, settings: Settings, summarizer: Any, ref: ConvRef, turns: int) -> dict[str, Any]:
@@ -69,16 +71,19 @@ async def sequence(store: Store, settings: Settings, summarizer: Any, ref: ConvR
     mem = settings.memory
     w = worker.FoldWorker(store, settings, summarizer, name="bench")
     messages = planted_session(turns)
+    await store.delete(ref)
     timings: list[float] = []
+    cpu: list[float] = []
     share_at_100: float | None = None
     for i in range(0, len(messages), 2):
         length = await append(store, ref, messages[i:i + 2])
         view = await store.load(ref)
         covers = view.summary.covers if view.summary else 0
         if fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             await w.fold_conversation(ref)
             timings.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu_started)
         if length == 200:  # turn 100
             view = await store.load(ref)
             full = sum(t.tokens for t in await store.messages(ref))
@@ -90,8 +95,10 @@ async def sequence(store: Store, settings: Settings, summarizer: Any, ref: ConvR
     summary = view.summary.text if view.summary else ""
     rendered = state.render(state.load(view.state), mem.state_budget_tokens, count)
     in_summary, in_state = survival(summary), survival(rendered)
+    folded = view.summary.covers if view.summary else 0
     return {
         "folds": len(timings), "total": sum(timings), "mean": statistics.mean(timings),
+        "cpu_mean": statistics.mean(cpu), "cpu_per_message": sum(cpu) / folded if folded else 0.0,
         "p95": sorted(timings)[int(len(timings) * 0.95) - 1] if timings else 0.0,
         "summary_tokens": count(summary), "in_summary": sum(in_summary.values()),
         "in_state": sum(in_state.values()),
@@ -111,10 +118,13 @@ async def bench(mode: str, settings: Settings, url: str, turns: int, repeat: int
         await summarizer.close()
         await store.close()
     n = len(PLANTED)
-    print(f"[{mode}] fold of 10 messages: median {statistics.median(singles) * 1000:.1f} ms "
-          f"(min {min(singles) * 1000:.1f}, max {max(singles) * 1000:.1f}, n={repeat})")
+    walls, cpus = [w for w, _ in singles], [c for _, c in singles]
+    print(f"[{mode}] fold of 10 messages: median {statistics.median(walls) * 1000:.1f} ms "
+          f"(min {min(walls) * 1000:.1f}, max {max(walls) * 1000:.1f}, n={repeat}); "
+          f"CPU median {statistics.median(cpus) * 1000:.2f} ms")
     print(f"[{mode}] {turns}-turn sequence: {seq['folds']} folds, total {seq['total'] * 1000:.0f} ms, "
-          f"mean {seq['mean'] * 1000:.1f} ms, p95 {seq['p95'] * 1000:.1f} ms; final summary "
+          f"mean {seq['mean'] * 1000:.1f} ms, p95 {seq['p95'] * 1000:.1f} ms; CPU mean {seq['cpu_mean'] * 1000:.2f} ms "
+          f"per fold, {seq['cpu_per_message'] * 1000:.3f} ms per folded message; final summary "
           f"{seq['summary_tokens']} tokens (cap {settings.memory.max_summary_tokens})")
     print(f"[{mode}] fact survival after {turns} turns: summary {seq['in_summary']}/{n}, "
           f"state {seq['in_state']}/{n}, either {seq['either']}/{n}")
