@@ -102,6 +102,7 @@ def build_plan(
     context_budget: int,
     count: Callable[[str], int],
     recall: Recall | None = None,
+    worth_recalling: Callable[[Plan], bool] | None = None,
 ) -> Plan:
     """The plan for one request.
 
@@ -117,6 +118,9 @@ def build_plan(
     count: token counter for the injected texts (messages use Turn.tokens).
     recall(window_start, budget_tokens): earlier (position, Turn) pairs picked by retrieval, most
       relevant first; None or `retrieval.enabled: false` turns excerpts off.
+    worth_recalling(plan): asked before recall with the rewrite as it stands without excerpts;
+      False leaves excerpts out (the caller knows it will forward the full history instead, which
+      excerpts, adding tokens, could only make more certain).
 
     kind "full": forward the whole conversation as is; only chosen when it is all at hand
     (tail_start == 0 or `head` reaches the tail), and plan.window then holds all of it, so a delta
@@ -187,8 +191,25 @@ def build_plan(
     excerpts = ""
     spare = context_budget - cost(lay)
     budget = min(settings.retrieval_budget_tokens, spare)
+    def rewrite(excerpts: str, forwarded: int) -> Plan:
+        return Plan(
+            kind="rewritten",
+            state_block=state_block if lay.state else "",
+            summary_block=summary_block if lay.summary else "",
+            head=[t.raw for t in prefix[: lay.head_end]],
+            omitted_marker=marker(lay),
+            window=raws[lay.start - tail_start:],
+            excerpts_block=excerpts,
+            tokens_original=original,
+            tokens_forwarded=forwarded,
+            urgent_fold=forced,
+        )
+
+    # Excerpts only add tokens: a layout that saves nothing without them goes full with them too.
+    saves = cost(lay) < original or full is None
     if (recall is not None and settings.retrieval.enabled and budget > 0
-            and lay.start > lay.head_end and not forced):
+            and lay.start > lay.head_end and not forced and saves
+            and (worth_recalling is None or worth_recalling(rewrite("", cost(lay))))):
         excerpts = _excerpts(recall(lay.start, budget), lay, budget, templates.excerpts, count)
 
     forwarded = cost(lay) + (count(excerpts) if excerpts else 0)
@@ -196,19 +217,7 @@ def build_plan(
         excerpts, forwarded = "", cost(lay)
     if not forced and forwarded >= original and full is not None:
         return full  # a rewrite must save something, or the provider's cache of the full body wins
-    rel = lay.start - tail_start
-    return Plan(
-        kind="rewritten",
-        state_block=state_block if lay.state else "",
-        summary_block=summary_block if lay.summary else "",
-        head=[t.raw for t in prefix[: lay.head_end]],
-        omitted_marker=marker(lay),
-        window=raws[rel:],
-        excerpts_block=excerpts,
-        tokens_original=original,
-        tokens_forwarded=forwarded,
-        urgent_fold=forced,
-    )
+    return rewrite(excerpts, forwarded)
 
 
 def _full_plan(head: Sequence[Turn], tail: Sequence[Turn], tail_start: int, original: int) -> Plan:

@@ -326,12 +326,21 @@ class Memory:
             return [(h.position, Turn(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="",
                                       time=h.time)) for h in hits]
 
+        now = time.monotonic()  # one clock reading for both cost comparisons
+        weigh_full = client_sent_all and mem.cost_model and total_tokens + system_tokens <= budget
+
+        def worth_recalling(draft: Plan) -> bool:
+            # Excerpts only add to a rewrite's bill: when the full history already costs less than the
+            # rewrite without them, it is what gets forwarded, and the search would be wasted.
+            items = self._rewrite_items(req, draft, tail, system_tokens, state_tokens, summary)
+            return self._cheaper(call, req, draft, tail, system_tokens, total_tokens, items, now) is draft
+
         plan = context.build_plan(
             shape, head=view.head if tail_start > 0 else [], tail=tail, tail_start=tail_start,
             total_messages=total_messages, total_tokens=total_tokens, system_tokens=system_tokens,
             summary=summary, state_block=state_block, state_tokens=state_tokens,
             settings=mem, context_budget=budget, count=lambda s: self.tokens.count(s, req.model),
-            recall=recall,
+            recall=recall, worth_recalling=worth_recalling if weigh_full else None,
         )
         if plan.tokens_forwarded > budget:
             raise GatewayError(400, "invalid_request_error",
@@ -339,8 +348,8 @@ class Memory:
                                f"the {budget} this model's context window allows after max output tokens")
         items = (self._rewrite_items(req, plan, tail, system_tokens, state_tokens, summary)
                  if plan.kind == "rewritten" else None)
-        if items is not None and client_sent_all and mem.cost_model and total_tokens + system_tokens <= budget:
-            plan = self._cheaper(call, req, plan, tail, system_tokens, total_tokens, items)
+        if items is not None and weigh_full:
+            plan = self._cheaper(call, req, plan, tail, system_tokens, total_tokens, items, now)
         self._remember_forwarded(req, plan, system_tokens, total_tokens, items)
         if plan.kind == "full" and client_sent_all:
             return plan, None
@@ -378,10 +387,9 @@ class Memory:
         return items, tokens, excerpts + sum(t.tokens for t in window[cut:])
 
     def _cheaper(self, call: Call, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
-                 total_tokens: int, rewrite: tuple[list[str], list[int], int]) -> Plan:
+                 total_tokens: int, rewrite: tuple[list[str], list[int], int], now: float) -> Plan:
         """The rewrite, unless the full history would be billed less once prompt caching counts."""
         prices = self._prices()
-        now = time.monotonic()
         last = self._forwarded.get(_key(req.ref))
         # OpenAI caches long prompt prefixes by itself; Anthropic only up to a client's breakpoint.
         cacheable = req.shape.dialect != "anthropic" or b"cache_control" in call.raw

@@ -42,7 +42,7 @@ def result(i: str) -> dict[str, Any]:
 
 def plan_for(ts: list[Turn], *, cov: int = 0, summary: str = "the story so far", state: str = "",
              budget: int = 100_000, recall: Any = None, shape: Shape = oa, full_known: bool = False,
-             **mem: Any) -> Plan:
+             worth_recalling: Any = None, **mem: Any) -> Plan:
     settings = MemorySettings.model_validate(
         {"message_threshold": 4, "token_threshold": 10_000, "keep_recent": 2, **mem})
     state_block = fill(settings.templates.state, state=state) if state else ""
@@ -51,7 +51,7 @@ def plan_for(ts: list[Turn], *, cov: int = 0, summary: str = "the story so far",
         tail=ts[cov:], tail_start=cov, total_messages=len(ts), total_tokens=sum(t.tokens for t in ts),
         system_tokens=5, summary=Summary(text=summary, covers=cov, version=1, tokens=count(summary)) if cov else None,
         state_block=state_block, state_tokens=count(state_block), settings=settings, context_budget=budget,
-        count=count, recall=recall,
+        count=count, recall=recall, worth_recalling=worth_recalling,
     )
 
 
@@ -132,6 +132,11 @@ def test_full_needs_the_whole_conversation_at_hand() -> None:
     ts = turns(oa, [*chat(2), {"role": "user", "content": "q"}])
     big = "word " * 40
     assert plan_for(ts, cov=2, summary=big, full_known=True).kind == "full"
+
+    def never(start: int, budget: int) -> list[tuple[int, Turn]]:
+        raise AssertionError("searched for a plan that goes full either way")
+
+    assert plan_for(ts, cov=2, summary=big, full_known=True, recall=never, keep_initial=1).kind == "full"
     p = plan_for(ts, cov=2, summary=big)
     assert p.kind == "rewritten" and p.window == [t.raw for t in ts[2:]]
 
@@ -211,6 +216,24 @@ def test_excerpts_are_off_when_retrieval_is_disabled() -> None:
 
     p = plan_for(ts, cov=6, recall=recall, retrieval={"enabled": False})
     assert p.kind == "rewritten" and p.excerpts_block == ""
+
+
+def test_worth_recalling_sees_the_plan_without_excerpts_and_can_skip_the_search() -> None:
+    """worth_recalling gets exactly the plan build_plan returns without excerpts; False skips recall,
+    True changes nothing."""
+    ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
+    recalled = [(p, ts[p]) for p in (3, 1)]
+    plain = plan_for(ts, cov=6, keep_initial=1)
+    full = plan_for(ts, cov=6, keep_initial=1, recall=lambda s, b: recalled)
+    drafts: list[Plan] = []
+
+    def never(start: int, budget: int) -> list[tuple[int, Turn]]:
+        raise AssertionError("searched")
+
+    skipped = plan_for(ts, cov=6, keep_initial=1, recall=never, worth_recalling=lambda d: drafts.append(d) or False)
+    assert drafts == [plain] and skipped == plain
+    kept = plan_for(ts, cov=6, keep_initial=1, recall=lambda s, b: recalled, worth_recalling=lambda d: True)
+    assert kept == full and kept.excerpts_block
 
 
 # ---------------------------------------------------------------- hard budget

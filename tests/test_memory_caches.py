@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import orjson
 import pytest
+from memory_helpers import Chat, memory_gateway, reply_text, user_text
 
 from gateway import memory, state
+from gateway.app import HOOK
 from gateway.config import Settings
 from gateway.memory import Memory
 from gateway.store import open_store
 from gateway.tokens import TokenCounter
+
+_STAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")  # arrival times in excerpt headers
 
 
 async def test_state_block_is_rendered_once_per_ledger(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,3 +48,43 @@ async def test_state_block_is_rendered_once_per_ledger(monkeypatch: pytest.Monke
     assert len(renders) == 2
     assert mem._state_block(None, "gpt-test") == mem._state_block({}, "gpt-test") == ("", 0)
     await store.close()
+
+
+async def _weighed_conversation(monkeypatch: pytest.MonkeyPatch, *, skip: bool) -> tuple[list[Any], int]:
+    """(per turn: context, original and forwarded tokens, forwarded body; searches made) for one scripted
+    conversation, with build_plan's worth_recalling hook left on or taken out."""
+    real_plan = memory.context.build_plan
+
+    def build_plan(*args: Any, **kwargs: Any) -> Any:
+        return real_plan(*args, **(kwargs if skip else {**kwargs, "worth_recalling": None}))
+
+    monkeypatch.setattr(memory.context, "build_plan", build_plan)
+    # A cache read at half price: the full history wins while it is short, the rewrite afterwards.
+    async with memory_gateway("memory://", memory={"cost_model": True}, pricing={"cache_read_factor": 0.5}) as g:
+        g.fake.responder = reply_text
+        recall = g.app[HOOK].recall
+        calls: list[str] = []
+        real_search = recall.search
+        monkeypatch.setattr(recall, "search", lambda *a, **k: calls.append("s") or real_search(*a, **k))
+        chat, msgs, seen = Chat(g, "openai", "weigh"), [], []
+        for i in range(16):
+            msgs.append({"role": "user", "content": user_text(i) + " details" * 100})
+            headers, text = await chat.send(msgs)
+            msgs.append({"role": "assistant", "content": text})
+            await g.settle()
+            body = _STAMP.sub("T", orjson.dumps(g.last(chat.path).body).decode())
+            seen.append((headers["x-gateway-context"], headers["x-gateway-tokens-original"],
+                         headers["x-gateway-tokens-forwarded"], body))
+    return seen, len(calls)
+
+
+async def test_leaving_out_the_search_when_the_full_history_wins_forwards_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the cost model on, skipping the search for rewrites the full history beats forwards the
+    same bodies and headers as searching first, and does skip searches."""
+    skipped, fewer = await _weighed_conversation(monkeypatch, skip=True)
+    searched, more = await _weighed_conversation(monkeypatch, skip=False)
+    assert skipped == searched
+    kinds = [s[0] for s in skipped]
+    assert "full" in kinds[4:] and "rewritten" in kinds
+    assert fewer < more
