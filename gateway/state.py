@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -98,12 +99,16 @@ _WORD = re.compile(r"[a-z0-9]+")
 _VALUE = re.compile(r"\d[\w.:/-]*|[\w.-]*/[\w./-]+|[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b|\b[A-Z][a-z]+[A-Z]\w*")
 
 
-def _words(text: str) -> set[str]:
-    return set(_WORD.findall(text.lower()))
+# Cached: every new statement is compared with each active item of its kind, whose texts come
+# back at every fold (regexes over the same texts, up to MAX_ITEMS of them, otherwise).
+@lru_cache(maxsize=4096)
+def _words(text: str) -> frozenset[str]:
+    return frozenset(_WORD.findall(text.lower()))
 
 
-def _values(text: str) -> set[str]:
-    return {v.lower().rstrip(".") for v in _VALUE.findall(text)}
+@lru_cache(maxsize=4096)
+def _values(text: str) -> frozenset[str]:
+    return frozenset(v.lower().rstrip(".") for v in _VALUE.findall(text))
 
 
 def _similar(a: str, b: str, threshold: float = 0.6) -> bool:
