@@ -27,6 +27,7 @@ import os
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -100,6 +101,38 @@ def parse_job(job_id: Any, fields: dict[Any, Any] | None) -> Job | None:
     return Job(id=_s(job_id), ref=ConvRef(f["t"], f["c"], f.get("p") or None), urgent=f.get("u") == "1")
 
 
+class LedgerCache:
+    """Validated ledgers by state key, each with the JSON it was read or written as (LRU).
+
+    Most folds leave the ledger as it was, so the next fold reads the same JSON back: comparing
+    it with the JSON last seen (one C-level dict comparison) replaces validating it again
+    (pydantic, ~1.5 us an item, up to state.MAX_ITEMS). A ledger is never changed in place
+    (extract and apply_update work on copies), so the same object can be handed out again.
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._by_key: OrderedDict[str, tuple[dict[str, Any], state.Ledger]] = OrderedDict()
+
+    def load(self, key: str, data: dict[str, Any] | None) -> state.Ledger:
+        """`state.load(data)`, without validating `data` again when it is the JSON last seen for `key`."""
+        if not data:
+            return state.load(data)
+        known = self._by_key.get(key)
+        if known is not None and known[0] == data:
+            self._by_key.move_to_end(key)
+            return known[1]
+        ledger = state.load(data)
+        self.remember(key, data, ledger)
+        return ledger
+
+    def remember(self, key: str, data: dict[str, Any], ledger: state.Ledger) -> None:
+        self._by_key[key] = (data, ledger)
+        self._by_key.move_to_end(key)
+        if len(self._by_key) > self.size:
+            self._by_key.popitem(last=False)
+
+
 class _Proposal(NamedTuple):
     """A ledger update computed ahead of its CAS write: from `ledger` at `version`, `updated`."""
 
@@ -121,6 +154,7 @@ class FoldWorker:
         self.settings = settings
         self.summarizer = summarizer
         self.local = bool(getattr(summarizer, "local", False))  # see fold.run_local
+        self._ledgers = LedgerCache()
         self.metrics = metrics
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         w = settings.memory.worker
@@ -320,26 +354,35 @@ class FoldWorker:
         ttl = self.settings.memory.worker.claim_idle_ms
         if not await self.redis.set(lock_key, token, nx=True, px=ttl):
             return "busy"
-        beat = asyncio.create_task(self._heartbeat(lock_key, job_id, ttl))
+        loop = asyncio.get_running_loop()
+        beats: list[asyncio.Task[None]] = []
+        # The heartbeat's task starts with its first beat: nearly every fold ends long before that.
+        timer = loop.call_later(ttl / 3000, lambda: beats.append(
+            loop.create_task(self._heartbeat(lock_key, job_id, ttl))))
         try:
             return await self._fold_locked(ref, urgent=urgent)
         finally:
-            beat.cancel()
-            with contextlib.suppress(BaseException):
-                await beat
+            timer.cancel()
+            for beat in beats:
+                beat.cancel()
+                with contextlib.suppress(BaseException):
+                    await beat
             # Shielded: a cancelled worker still frees the conversation for the next one.
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._release(keys=[lock_key], args=[token]))
 
     async def _heartbeat(self, lock_key: str, job_id: str | None, ttl_ms: int) -> None:
-        """Keep a long fold's lock and job from looking abandoned (reclaim after claim_idle_ms)."""
+        """Keep a long fold's lock and job from looking abandoned (reclaim after claim_idle_ms).
+
+        Started a third of the ttl into the fold: beats at once, then every third of the ttl.
+        """
         while True:
-            await asyncio.sleep(ttl_ms / 3000)
             with contextlib.suppress(Exception):
                 await self.redis.pexpire(lock_key, ttl_ms)
                 if job_id is not None:
                     await self.redis.xclaim(self.stream, Keys.FOLD_GROUP, self.name, min_idle_time=0,
                                             message_ids=[job_id], justid=True)
+            await asyncio.sleep(ttl_ms / 3000)
 
     async def _fold_locked(self, ref: ConvRef, *, urgent: bool) -> str:
         mem = self.settings.memory
@@ -355,7 +398,7 @@ class FoldWorker:
             # All of a local fold's CPU in one hand-off to a thread: the summary, and the ledger's
             # update from the state `load` just returned (written after the commit, by CAS).
             result, tokens, proposal = await asyncio.to_thread(
-                self._fold_local, text, aged, covers, view.state, view.state_version)
+                self._fold_local, text, aged, covers, self.keys.project_state(ref), view.state, view.state_version)
         else:
             result = await fold.fold_summary(self.summarizer, text, aged, covers, max_tokens=mem.max_summary_tokens)
             tokens = self.summarizer.count(result.text)
@@ -376,13 +419,13 @@ class FoldWorker:
                  summarizer=self.summarizer.name)
         return "ok"
 
-    def _fold_local(self, text: str, aged: list[Any], covers: int, state_data: dict[str, Any] | None,
+    def _fold_local(self, text: str, aged: list[Any], covers: int, state_key: str, state_data: dict[str, Any] | None,
                     state_version: int) -> tuple[fold.SummaryResult, int, _Proposal]:
         """A local summarizer's fold, in a worker thread: (summary, its tokens, the ledger's update)."""
         mem = self.settings.memory
         result = fold.run_local(fold.fold_summary(self.summarizer, text, aged, covers,
                                                   max_tokens=mem.max_summary_tokens))
-        ledger = state.load(state_data)
+        ledger = self._ledgers.load(state_key, state_data)
         updated, s_in, s_out = fold.run_local(self.summarizer.update_state(ledger, aged, covers, now=_now_iso()))
         return result, self.summarizer.count(result.text), _Proposal(ledger, updated, state_version, s_in, s_out)
 
@@ -394,10 +437,11 @@ class FoldWorker:
         conversation of the project wrote the ledger since, the CAS refuses it and it is redone.
         """
         spent_in = spent_out = 0
+        key = self.keys.project_state(ref)
         for _ in range(3):  # other conversations of the project may write the ledger meanwhile
             if proposal is None:
                 data, version = await self.store.get_state(ref)
-                ledger = state.load(data)
+                ledger = self._ledgers.load(key, data)
                 call = self.summarizer.update_state(ledger, aged, start, now=_now_iso())
                 # A local summarizer computes on the calling thread: not on the event loop's.
                 updated, tin, tout = await (asyncio.to_thread(fold.run_local, call) if self.local else call)
@@ -408,7 +452,9 @@ class FoldWorker:
             spent_out += tout
             if updated is ledger or updated == ledger:
                 return spent_in, spent_out
-            if await self.store.put_state(ref, updated.dump(), expect_version=version):
+            dumped = updated.dump()
+            if await self.store.put_state(ref, dumped, expect_version=version):
+                self._ledgers.remember(key, dumped, updated)
                 return spent_in, spent_out
         log.warning("fold.state_contended", conversation=ref.conversation)
         return spent_in, spent_out

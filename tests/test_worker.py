@@ -305,3 +305,19 @@ async def test_a_worker_that_found_nothing_to_reclaim_still_reclaims_later(
     await asyncio.sleep(0.1)
     await w.run(burst=True)
     assert (await store.load(REF)).summary is not None and await worker.queued(store) == 0
+
+
+def test_ledger_cache_validates_only_json_it_has_not_seen() -> None:
+    """LedgerCache hands back the ledger it validated for equal JSON, and validates JSON that differs."""
+    cache = worker.LedgerCache(size=2)
+    first = state.apply_edits(state.Ledger(), {"goal": "A billing service."}, time=None)
+    data = first.dump()
+    loaded = cache.load("k", data)
+    assert loaded == first
+    assert cache.load("k", state.Ledger.model_validate(data).dump()) is loaded
+    changed = state.apply_edits(first, {"goal": "A payments service."}, time=None).dump()
+    other = cache.load("k", changed)
+    assert other is not loaded and [i.text for i in other.active("goal")] == ["A payments service."]
+    cache.remember("k", data, first)
+    assert cache.load("k", data) is first
+    assert cache.load("k", None) == state.Ledger()
