@@ -32,7 +32,10 @@ _DOWNLOADED = {
 PER_MESSAGE_TOKENS = 4  # role and separators each message costs in chat formats
 _CALIBRATION_ALPHA = 0.2
 _FACTOR_MIN, _FACTOR_MAX = 0.5, 2.0
-_COUNT_CACHE_SIZE = 32768
+# Counts kept: ~90 bytes each. A conversation's working set is about three per message (its text,
+# its excerpt header, the text with the excerpt separator): 131,072 hold 256 conversations of ~170
+# messages, or fewer, longer ones, without re-encoding on every request.
+_COUNT_CACHE_SIZE = 131072
 # Exact counts without re-encoding what was counted before. BPE merges stay within pre-tokens, so
 # a text's count is the sum of its pieces' counts when it is cut only where no pre-token of the
 # encoding's pattern can span (cl100k and o200k; tests/test_tokens.py checks odd texts):
@@ -112,9 +115,10 @@ class TokenCounter:
         self.models = models
         self._encodings: dict[str | None, tiktoken.Encoding] = {}
         self._factors: dict[str, float] = {}
-        # Counts keyed by (encoding, hash(text), len(text)): system prompts, tool definitions,
-        # excerpts and their headers come back on every request; the key holds no copy of the text.
-        self._counts: dict[tuple[str, int, int], int] = {}
+        # Counts keyed by hash((encoding, hash(text), len(text))): system prompts, tool definitions,
+        # excerpts and their headers come back on every request; the key holds no copy of the text
+        # (one int: a 64-bit collision among the entries kept is as unlikely as one of hash(text)).
+        self._counts: dict[int, int] = {}
 
     def model_key(self, model: str | None) -> str:
         """The configured model name that applies (exact, else longest prefix, else "default")."""
@@ -146,7 +150,7 @@ class TokenCounter:
     def _count(self, enc: tiktoken.Encoding, text: str) -> int:
         # Cached at every length: a lookup costs ~0.1 µs, encoding ~0.1 µs per character, and short
         # texts (excerpt headers, markers) come back on every request.
-        key = (enc.name, hash(text), len(text))
+        key = hash((enc.name, hash(text), len(text)))
         n = self._counts.get(key)
         if n is None:
             n = self._fresh(enc, text)
@@ -161,10 +165,14 @@ class TokenCounter:
         if "\n" in text:
             pieces = _PIECE_BREAK.split(text)
             if len(pieces) > 1:
-                return sum(self._count(enc, piece) for piece in pieces)
+                counts, name, total = self._counts, enc.name, 0
+                for piece in pieces:  # the lookup inlined: a block has a hundred pieces, mostly cached
+                    n = counts.get(hash((name, hash(piece), len(piece))))
+                    total += self._count(enc, piece) if n is None else n
+                return total
         stem = text.rstrip()
         if stem and len(stem) < len(text):
-            known = self._counts.get((enc.name, hash(stem), len(stem)))
+            known = self._counts.get(hash((enc.name, hash(stem), len(stem))))
             cut = _last_word_break(stem) if known is not None else -1
             if known is not None and cut > 0:
                 word = stem[cut:]
