@@ -198,6 +198,17 @@ async def test_load_is_one_round_trip_and_returns_only_the_tail(store: Store,
     assert view.tokens_total == 120 and view.dialect == "openai_chat"
 
 
+async def test_scripts_are_loaded_again_after_the_server_forgot_them(store: Store) -> None:
+    """A server that lost its scripts (restart, SCRIPT FLUSH) answers NOSCRIPT once; the store loads them again."""
+    await fill(store, REF, turns("m", 2))
+    await store.redis.script_flush()
+    view = await store.load(REF)
+    assert view.length == 2 and [t.text for t in view.tail] == ["m0", "m1"]
+    res = await store.append(REF, turns("n", 1), base_length=2, base_chain=view.last_chain or "",
+                             dialect="openai_chat")
+    assert res.ok and res.length == 3
+
+
 async def test_load_with_a_project_reads_its_state_in_the_same_script(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside a cluster the project's shared state comes back in the same single EVALSHA."""
     store = await open_store(StoreSettings(url="memory://"))
