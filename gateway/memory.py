@@ -52,8 +52,15 @@ class _Request:
     summarizer_charge: int = 0  # summarizer tokens deducted from this request's savings
 
 
+_clock: tuple[int, str] = (0, "")  # (second, its ISO text): turns arriving in one second share it
+
+
 def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    global _clock
+    second = int(time.time())
+    if second != _clock[0]:
+        _clock = (second, datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S"))
+    return _clock[1]
 
 
 def _digest(text: str) -> str:
