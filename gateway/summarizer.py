@@ -35,27 +35,27 @@ class SummarizerError(Exception):
 
 # -- extractive --------------------------------------------------------------------------------
 
-_I = re.IGNORECASE
-_CHATTER = re.compile(
+Caseless = state.Caseless
+_CHATTER = Caseless(
     r"^(?:hi|hello|hey|thanks|thank you|thx|great|ok|okay|sure|sounds good|got it|cool|perfect|awesome|nice"
     r"|no problem|you're welcome|glad|happy to help|good (?:morning|afternoon|evening)|bye|cheers|yes|no"
     r"|absolutely|of course|certainly|alright|right|understood|makes sense|i see|hope this helps"
-    r"|let me know|feel free|does that help|anything else)\b", _I)
-_DURABLE = re.compile(
+    r"|let me know|feel free|does that help|anything else)\b")
+_DURABLE = Caseless(
     r"\b(?:decided|decision|chose|chosen|agreed|settled on|will use|we'll use|going with|let's use|go with"
     r"|must|mustn't|cannot|can't|never|always|required|requirement|not allowed|at most|at least|no more than"
     r"|prefer|preference|the goal|goal is|deadline|due|my name is|call me|i'm called|lives? at|located"
     r"|is stored|stored in|listens? on|runs on|named|called|ticket|constraint|policy|important|pinned|pin"
-    r"|deprecated|replaced|instead of|switched)\b", _I)
+    r"|deprecated|replaced|instead of|switched)\b")
 # "The X is Y" with a concrete value defines a fact.
-_DEFINITION = re.compile(r"\b(?:the|our|my)\s+[\w -]{1,40}?\s+(?:is|are|was|will be)\b", _I)
+_DEFINITION = Caseless(r"\b(?:the|our|my)\s+[\w -]{1,40}?\s+(?:is|are|was|will be)\b")
 # Progress reports are true once and then stale: a weaker claim on the summary's space.
-_TRANSIENT = re.compile(
+_TRANSIENT = Caseless(
     r"\b(?:i(?:'ve| have)? (?:added|fixed|updated|changed|ran|refactored|tried|looked|moved|renamed|removed"
-    r"|cleaned|checked)|now passes|tests? pass(?:es)?|let me|i'll|here(?:'s| is) (?:the|an?)|sure,)\b", _I)
-_SIGNALS: tuple[tuple[re.Pattern[str], float], ...] = (
-    (re.compile(r"\b\d{4}-\d{2}-\d{2}\b|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\.?\s+\d{1,2}"
-                r"(?:st|nd|rd|th)?\b|\b(?:monday|tuesday|wednesday|thursday|friday|saturday|sunday)s?\b", _I), 1.5),
+    r"|cleaned|checked)|now passes|tests? pass(?:es)?|let me|i'll|here(?:'s| is) (?:the|an?)|sure,)\b")
+_SIGNALS: tuple[tuple[re.Pattern[str] | state.Caseless, float], ...] = (
+    (Caseless(r"\b\d{4}-\d{2}-\d{2}\b|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\.?\s+\d{1,2}"
+              r"(?:st|nd|rd|th)?\b|\b(?:monday|tuesday|wednesday|thursday|friday|saturday|sunday)s?\b"), 1.5),
     (re.compile(r"\bv?\d+\.\d+(?:\.\d+)+\b|\bversion\s+\d+"), 1.5),  # versions
     (re.compile(r"(?:^|[\s(\"'`])(?:~|\.{0,2})/[\w.-]+(?:/[\w.-]+)*|\b[\w-]+/[\w.-]+\.\w{1,5}\b|\b[\w-]+\.(?:py|js|ts|go|rs|"
                 r"yaml|yml|json|toml|md|sql|sh|cfg|ini|txt|html|css)\b"), 1.5),  # paths and file names
@@ -63,8 +63,8 @@ _SIGNALS: tuple[tuple[re.Pattern[str], float], ...] = (
     (re.compile(r"\b[A-Z][A-Z0-9]+-\d+\b"), 1.5),  # ticket / issue ids
     (re.compile(r"\b[a-z][a-z0-9]+(?:_[a-z0-9]+)+\b|\b[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+\b"), 1.0),  # identifiers
     (re.compile(r"\bport\s+\d+|:\d{2,5}\b"), 1.5),
-    (re.compile(r"\b\d+(?:[.,]\d+)?\s*(?:%|ms|s|kb|mb|gb|tb|usd|\$|eur|k|m|seconds|minutes|hours|days|weeks"
-                r"|requests|users|rps|tokens)?\b", _I), 0.5),
+    (Caseless(r"\b\d+(?:[.,]\d+)?\s*(?:%|ms|s|kb|mb|gb|tb|usd|\$|eur|k|m|seconds|minutes|hours|days|weeks"
+              r"|requests|users|rps|tokens)?\b"), 0.5),
     (re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]{2,}(?:\s+[A-Z][a-z]{2,})*"), 0.5),  # names mid-sentence
 )
 _WORD = re.compile(r"[a-z0-9]+")
@@ -85,17 +85,18 @@ def _score_body(body: str, role: str) -> float:
     words = body.split()
     if not words:
         return 0.0
+    low = state.ascii_lower(body)  # once for every case-insensitive pattern (state.Caseless)
     s = 0.0
     for pattern, weight in _SIGNALS:
-        if pattern.search(body):
+        if pattern.search(body, low) if isinstance(pattern, Caseless) else pattern.search(body):
             s += weight
-    if _DURABLE.search(body):
+    if _DURABLE.search(body, low):
         s += 3.0
-    elif s >= 1.0 and _DEFINITION.search(body):
+    elif s >= 1.0 and _DEFINITION.search(body, low):
         s += 2.0
-    if _TRANSIENT.search(body):
+    if _TRANSIENT.search(body, low):
         s -= 1.0
-    if _CHATTER.match(body) and len(words) < 10 and s < 2:
+    if _CHATTER.match(body, low) and len(words) < 10 and s < 2:
         return 0.0
     if role == "user" and s > 0:
         s += 0.5  # the user states requirements; the assistant mostly restates them

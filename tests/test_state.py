@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gateway import state
 from gateway.model import Turn
 
@@ -160,3 +166,28 @@ def test_changed_identifier_is_a_second_item() -> None:
     ledger = state.extract(state.Ledger(), [turn("user", "We decided to add a helper called parse_safe.")], 0)
     ledger = state.extract(ledger, [turn("user", "We decided to add a helper called render_safe.")], 4)
     assert len(ledger.active("decisions")) == 2
+
+
+_CASELESS_WORDS = ["We", "we'll", "MUST", "never", "TODO", "I'm", "port", "8443", "Kafka", "\u212aafka", "\u017ftack",
+                   "\u0130", "stack:", "using", "redis", "for", "ORION-12", "caf\u00e9", ".", ",", "decided"]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_CASELESS_WORDS), max_size=10), st.sampled_from(["", " ", "-", "'"]))
+def test_caseless_agrees_with_ignorecase(words: list[str], sep: str) -> None:
+    """A Caseless pattern answers as the same pattern under re.IGNORECASE, on ASCII and non-ASCII text alike."""
+    text = sep.join(words) if sep else " ".join(words)
+    for source in (r"\bwe(?:'ll| will)\s+use\b|\bmust\b|\btodo\b|\bi'm\b", r"\bstack\s*[:=]|\b[a-z][a-z0-9]+-\d+\b",
+                   r"\bkafka\b|\bstack\b|\bi\b"):
+        caseless = state.Caseless(source)
+        folded = re.compile(source, re.IGNORECASE)
+        lower = state.ascii_lower(text)
+        assert caseless.search(text, lower) == (folded.search(text) is not None)
+        assert caseless.match(text, lower) == (folded.match(text) is not None)
+
+
+def test_caseless_source_must_be_lower_case() -> None:
+    """A Caseless source with a capital letter outside an escape is refused (its fast path could not match it)."""
+    state.Caseless(r"\bhttps?://\S+\b")  # \S and \b are escapes, not capitals
+    with pytest.raises(ValueError):
+        state.Caseless(r"\bTODO\b")
