@@ -86,6 +86,18 @@ class _Layout:
     summary: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A plan before excerpts. `plan` is what goes out without them; when `finish` is set, excerpts
+    are wanted for a window starting at `window_start`, within `budget` tokens, and
+    `finish(picked)` is the plan with the recalled messages `picked` (see build_plan's `recall`)."""
+
+    plan: Plan
+    window_start: int = 0
+    budget: int = 0
+    finish: Callable[[Sequence[tuple[int, Turn]]], Plan] | None = None
+
+
 def build_plan(
     shape: Shape,
     *,
@@ -127,14 +139,43 @@ def build_plan(
     client's request can be rendered from it. kind "rewritten": render the plan.
     `tokens_forwarded > context_budget` means even the newest turn alone does not fit: the caller
     rejects the request rather than send it.
+
+    In two steps (`draft_plan`, then `Draft.finish`) for a caller that prepares the search only
+    when excerpts are wanted.
     """
+    draft = draft_plan(
+        shape, head=head, tail=tail, tail_start=tail_start, total_messages=total_messages,
+        total_tokens=total_tokens, system_tokens=system_tokens, summary=summary, state_block=state_block,
+        state_tokens=state_tokens, settings=settings, context_budget=context_budget, count=count)
+    if recall is None or draft.finish is None or (worth_recalling is not None and not worth_recalling(draft.plan)):
+        return draft.plan
+    return draft.finish(recall(draft.window_start, draft.budget))
+
+
+def draft_plan(
+    shape: Shape,
+    *,
+    head: Sequence[Turn],
+    tail: Sequence[Turn],
+    tail_start: int,
+    total_messages: int,
+    total_tokens: int,
+    system_tokens: int,
+    summary: Summary | None,
+    state_block: str,
+    state_tokens: int,
+    settings: MemorySettings,
+    context_budget: int,
+    count: Callable[[str], int],
+) -> Draft:
+    """build_plan up to the excerpts: the plan without them, and whether (and where) they are wanted."""
     n = tail_start + len(tail)
     original = total_tokens + system_tokens
     # Without messages [0, tail_start) at hand, "full" could not be rendered for a delta client.
     full = _full_plan(head, tail, tail_start, original) if len(head) >= tail_start else None
     under = total_messages < settings.message_threshold and total_tokens < settings.token_threshold
     if full is not None and under and original <= context_budget:
-        return full
+        return Draft(full)
 
     templates = settings.templates
     coverage = summary.covers if summary is not None else 0
@@ -151,7 +192,7 @@ def build_plan(
     starts = turn_starts or [i for i in range(len(raws)) if clean[i]]
     if not starts:
         # The tail opens inside a tool group we cannot see: only the whole body is valid.
-        return full if full is not None else _full_plan(head, tail, tail_start, original)
+        return Draft(full if full is not None else _full_plan(head, tail, tail_start, original))
     target = min(coverage, n - settings.keep_recent) - tail_start
     start = _initial_start(turn_starts, [i for i in range(len(raws)) if clean[i]], target)
 
@@ -188,9 +229,9 @@ def build_plan(
     if forced:
         lay = _fit(start, [s for s in starts if s > start], layout, cost, context_budget)
 
-    excerpts = ""
     spare = context_budget - cost(lay)
     budget = min(settings.retrieval_budget_tokens, spare)
+
     def rewrite(excerpts: str, forwarded: int) -> Plan:
         return Plan(
             kind="rewritten",
@@ -205,19 +246,19 @@ def build_plan(
             urgent_fold=forced,
         )
 
-    # Excerpts only add tokens: a layout that saves nothing without them goes full with them too.
-    saves = cost(lay) < original or full is None
-    if (recall is not None and settings.retrieval.enabled and budget > 0
-            and lay.start > lay.head_end and not forced and saves
-            and (worth_recalling is None or worth_recalling(rewrite("", cost(lay))))):
-        excerpts = _excerpts(recall(lay.start, budget), lay, budget, templates.excerpts, count)
+    def finish(picked: Sequence[tuple[int, Turn]]) -> Plan:
+        excerpts = _excerpts(picked, lay, budget, templates.excerpts, count) if picked else ""
+        forwarded = cost(lay) + (count(excerpts) if excerpts else 0)
+        if not forced and excerpts and forwarded >= original:
+            excerpts, forwarded = "", cost(lay)
+        if not forced and forwarded >= original and full is not None:
+            return full  # a rewrite must save something, or the provider's cache of the full body wins
+        return rewrite(excerpts, forwarded)
 
-    forwarded = cost(lay) + (count(excerpts) if excerpts else 0)
-    if not forced and excerpts and forwarded >= original:
-        excerpts, forwarded = "", cost(lay)
-    if not forced and forwarded >= original and full is not None:
-        return full  # a rewrite must save something, or the provider's cache of the full body wins
-    return rewrite(excerpts, forwarded)
+    # Excerpts only add tokens: a layout that saves nothing without them goes full with them too.
+    wanted = (settings.retrieval.enabled and budget > 0 and lay.start > lay.head_end and not forced
+              and (cost(lay) < original or full is None))
+    return Draft(finish(()), lay.start, budget, finish) if wanted else Draft(finish(()))
 
 
 def _full_plan(head: Sequence[Turn], tail: Sequence[Turn], tail_start: int, original: int) -> Plan:

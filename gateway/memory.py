@@ -314,41 +314,21 @@ class Memory:
 
         state_block, state_tokens = self._state_block(view.state, req.model)
 
-        key = _key(req.ref)
-        if mem.retrieval.enabled and tail_start > 0:
-            await self.recall.sync(key, view.tail[: max(0, base - view.tail_start)], view.tail_start,
-                                   lambda a, b: self.store.messages(req.ref, a, b))
-        query_turn = next((t for t in reversed(tail) if shape.is_turn_start(t.raw)), tail[-1] if tail else None)
-        recent = [t.text for t in tail[-6:]]
-
-        def recall(window_start: int, budget_tokens: int) -> list[tuple[int, Turn]]:
-            # Less the block's own heading; each excerpt's header is budgeted by the index.
-            budget_tokens = min(budget_tokens, int(mem.retrieval_max_share * total_tokens)) - 20
-            if not mem.retrieval.enabled or query_turn is None or budget_tokens <= 0:
-                return []
-            hits = self.recall.search(
-                key, query=query_turn.text, after=len(view.head), before=window_start, budget_tokens=budget_tokens,
-                recent=recent, query_time=query_turn.time,
-            )
-            return [(h.position, Turn(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="",
-                                      time=h.time)) for h in hits]
-
         now = time.monotonic()  # one clock reading for both cost comparisons
         weigh_full = client_sent_all and mem.cost_model and total_tokens + system_tokens <= budget
-
-        def worth_recalling(draft: Plan) -> bool:
-            # Excerpts only add to a rewrite's bill: when the full history already costs less than the
-            # rewrite without them, it is what gets forwarded, and the search would be wasted.
-            items = self._rewrite_items(req, draft, tail, system_tokens, state_tokens, summary)
-            return self._cheaper(call, req, draft, tail, system_tokens, total_tokens, items, now) is draft
-
-        plan = context.build_plan(
+        draft = context.draft_plan(
             shape, head=view.head if tail_start > 0 else [], tail=tail, tail_start=tail_start,
             total_messages=total_messages, total_tokens=total_tokens, system_tokens=system_tokens,
             summary=summary, state_block=state_block, state_tokens=state_tokens,
             settings=mem, context_budget=budget, count=lambda s: self.tokens.count(s, req.model),
-            recall=recall, worth_recalling=worth_recalling if weigh_full else None,
         )
+        plan = draft.plan
+        # Excerpts only add to a rewrite's bill: when the full history already costs less than the
+        # rewrite without them, it is what gets forwarded, and neither the search nor bringing the
+        # index up to date for it is needed (the index catches up from the store when it is).
+        if draft.finish is not None and (not weigh_full or self._rewrite_may_win(
+                call, req, plan, tail, system_tokens, state_tokens, total_tokens, summary, now)):
+            plan = await self._with_excerpts(req, draft, tail, tail_start, total_tokens)
         if plan.tokens_forwarded > budget:
             raise GatewayError(400, "invalid_request_error",
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
@@ -362,6 +342,36 @@ class Memory:
             return plan, None
         rendered_body = shape.render(call.body, plan, cache_control=mem.cache_control)
         return plan, orjson.dumps(rendered_body)
+
+    def _rewrite_may_win(self, call: Call, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
+                         state_tokens: int, total_tokens: int, summary: Summary | None, now: float) -> bool:
+        """Does the rewrite `plan` (no excerpts yet) cost less than the full history?"""
+        items = self._rewrite_items(req, plan, tail, system_tokens, state_tokens, summary)
+        return self._cheaper(call, req, plan, tail, system_tokens, total_tokens, items, now) is plan
+
+    async def _with_excerpts(self, req: _Request, draft: context.Draft, tail: list[Turn], tail_start: int,
+                             total_tokens: int) -> Plan:
+        """The draft finished with the messages recalled for the newest turn (the index synced first).
+
+        tail, tail_start: the logical conversation from the summary's coverage on (tail_start 0 when
+        the summary is not used), as _plan built it."""
+        assert draft.finish is not None
+        mem, view = self.settings.memory, req.view
+        query_turn = next((t for t in reversed(tail) if req.shape.is_turn_start(t.raw)), tail[-1] if tail else None)
+        # Less the block's own heading; each excerpt's header is budgeted by the index.
+        budget_tokens = min(draft.budget, int(mem.retrieval_max_share * total_tokens)) - 20
+        if query_turn is None or budget_tokens <= 0:
+            return draft.plan
+        key = _key(req.ref)
+        if tail_start > 0:
+            await self.recall.sync(key, view.tail[: max(0, req.decision.base - view.tail_start)], view.tail_start,
+                                   lambda a, b: self.store.messages(req.ref, a, b))
+        hits = self.recall.search(
+            key, query=query_turn.text, after=len(view.head), before=draft.window_start,
+            budget_tokens=budget_tokens, recent=[t.text for t in tail[-6:]], query_time=query_turn.time,
+        )
+        return draft.finish([(h.position, Turn(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="",
+                                               time=h.time)) for h in hits])
 
     # -- cost -------------------------------------------------------------------------------
 

@@ -51,21 +51,18 @@ async def test_state_block_is_rendered_once_per_ledger(monkeypatch: pytest.Monke
 
 
 async def _weighed_conversation(monkeypatch: pytest.MonkeyPatch, *, skip: bool) -> tuple[list[Any], int]:
-    """(per turn: context, original and forwarded tokens, forwarded body; searches made) for one scripted
-    conversation, with build_plan's worth_recalling hook left on or taken out."""
-    real_plan = memory.context.build_plan
-
-    def build_plan(*args: Any, **kwargs: Any) -> Any:
-        return real_plan(*args, **(kwargs if skip else {**kwargs, "worth_recalling": None}))
-
-    monkeypatch.setattr(memory.context, "build_plan", build_plan)
+    """(per turn: context, original and forwarded tokens, forwarded body; index syncs and searches) for one scripted
+    conversation, with the search skipped when the full history wins, or always made."""
+    if not skip:
+        monkeypatch.setattr(Memory, "_rewrite_may_win", lambda *args: True)
     # A cache read at half price: the full history wins while it is short, the rewrite afterwards.
     async with memory_gateway("memory://", memory={"cost_model": True}, pricing={"cache_read_factor": 0.5}) as g:
         g.fake.responder = reply_text
         recall = g.app[HOOK].recall
         calls: list[str] = []
-        real_search = recall.search
-        monkeypatch.setattr(recall, "search", lambda *a, **k: calls.append("s") or real_search(*a, **k))
+        real_search, real_sync = recall.search, recall.sync
+        monkeypatch.setattr(recall, "search", lambda *a, **k: calls.append("search") or real_search(*a, **k))
+        monkeypatch.setattr(recall, "sync", lambda *a, **k: calls.append("sync") or real_sync(*a, **k))
         chat, msgs, seen = Chat(g, "openai", "weigh"), [], []
         for i in range(16):
             msgs.append({"role": "user", "content": user_text(i) + " details" * 100})
@@ -80,8 +77,8 @@ async def _weighed_conversation(monkeypatch: pytest.MonkeyPatch, *, skip: bool) 
 
 async def test_leaving_out_the_search_when_the_full_history_wins_forwards_the_same(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the cost model on, skipping the search for rewrites the full history beats forwards the
-    same bodies and headers as searching first, and does skip searches."""
+    """With the cost model on, leaving out the index sync and search for rewrites the full history beats
+    forwards the same bodies and headers as searching first, and does leave them out."""
     skipped, fewer = await _weighed_conversation(monkeypatch, skip=True)
     searched, more = await _weighed_conversation(monkeypatch, skip=False)
     assert skipped == searched
