@@ -178,3 +178,33 @@ def test_session_frequencies_follow_added_messages() -> None:
     fresh = _index([(r, "cat " + t if i in (31, 32, 44) else t, tm) for i, (r, t, tm) in enumerate(msgs)])
     assert list(index._session_tf("cat")) == list(fresh._session_tf("cat")) == [
         0 << 32 | 2, 1 << 32 | 1, 2 << 32 | 1, 3 << 32 | 2, 4 << 32 | 1]
+
+
+@pytest.mark.parametrize(("phrase", "spans"), [
+    ("3 days ago", [("2023-09-13", "2023-09-13")]),
+    ("two months ago", [("2023-07-02", "2023-08-01")]),
+    ("a couple of weeks ago", [("2023-08-29", "2023-09-06")]),
+    ("yesterday", [("2023-09-15", "2023-09-15")]),
+    ("the day before yesterday", [("2023-09-14", "2023-09-14")]),
+    ("last weekend", [("2023-09-09", "2023-09-10")]),
+    ("last month", [("2023-08-01", "2023-08-31")]),
+    ("last year", [("2022-01-01", "2022-12-31")]),
+    ("last Tuesday", [("2023-09-12", "2023-09-12")]),
+    ("this past Sunday", [("2023-09-10", "2023-09-10")]),
+    ("on March 3rd", [("2023-03-03", "2023-03-03")]),
+    ("the 5th of May", [("2023-05-05", "2023-05-05")]),
+    ("in June", [("2023-06-01", "2023-06-30")]),
+    ("2023/05/06", [("2023-05-06", "2023-05-06")]),
+    ("may 12: item", []),
+    ("early sept", [("2023-09-01", "2023-09-30")]),
+    ("nothing here", []),
+])
+def test_time_expressions_resolve_against_the_day_they_were_said(phrase: str, spans: list[tuple[str, str]]) -> None:
+    """Each supported time expression, said on Saturday 2023-09-16, points to the same dates as before."""
+    from datetime import date
+
+    from gateway.retrieval import _time_spans
+
+    got = [(date.fromordinal(a).isoformat(), date.fromordinal(b).isoformat())
+           for a, b in _time_spans(phrase, date(2023, 9, 16))]
+    assert got == spans
