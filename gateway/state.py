@@ -298,15 +298,24 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[])|\n+")
 _CODE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
 
 
-def sentences(text: str) -> list[str]:
+def sentences(text: str) -> tuple[str, ...]:
     """Prose sentences of a message; fenced code is left out (it restates, it does not decide)."""
+    # A fold splits each aged message twice, for summary lines and for ledger items: the last
+    # few are remembered, unless long (tool output, which only the summary reads).
+    return _split_sentences(text) if len(text) > 16_384 else _remembered_sentences(text)
+
+
+def _split_sentences(text: str) -> tuple[str, ...]:
     text = _CODE.sub("\n", text)
     out = []
     for s in _SENTENCE.split(text):
         s = s.strip(" \t-*#>")
         if len(s) >= 3:
             out.append(s)
-    return out
+    return tuple(out)
+
+
+_remembered_sentences = lru_cache(maxsize=64)(_split_sentences)
 
 
 def classify(sentence: str, role: str) -> Kind | None:
