@@ -229,68 +229,84 @@ def apply_edits(ledger: Ledger, edits: dict[str, list[str] | str], *, time: str 
 
 # -- extractive (pattern) extraction ---------------------------------------------------------
 
-class Caseless:
-    """A case-insensitive pattern, matched case-sensitively against ASCII text lower-cased once.
+class Pattern:
+    """A regex the extractors try on every sentence of every aged message, made cheaper two ways.
 
-    Python's re compares each character against an IGNORECASE pattern through its case folds: a
-    word alternation such as the summarizer's durable-statement pattern runs 4x slower than the
-    same pattern matched case-sensitively against lower-cased text, and a fold scores and
-    classifies every sentence of every aged message. On ASCII text the two agree: lower-casing
-    keeps every position and character class, and the source is written in lower case (checked
-    here; a lower-case letter folds like its capital). Other text takes the IGNORECASE pattern,
-    whose folds also cover the Kelvin sign, the long s and the dotted capital I.
+    `caseless`: Python's re compares each character against an IGNORECASE pattern through its
+    case folds, 4x slower than matching the same alternation case-sensitively against
+    lower-cased text. The source, written in lower case (checked: a lower-case letter folds like
+    its capital), is also compiled case-sensitive and tried on ASCII text lower-cased once per
+    sentence (`ascii_lower`): the same answer, since ASCII lower-casing keeps every position and
+    character class. Other text takes the IGNORECASE pattern, whose folds also cover the Kelvin
+    sign, the long s and the dotted capital I.
+
+    `needs`: a cheap test (a substring, or a search that re scans for) of something every match
+    holds; the pattern is only tried on text that passes it. The patterns that try a word-long
+    run from every word boundary cost most and match least.
     """
 
-    __slots__ = ("folding", "lowered")
+    __slots__ = ("exact", "lowered", "needs")
 
-    def __init__(self, source: str) -> None:
-        if any(c.isascii() and c.isupper() for c in re.sub(r"\\.", "", source)):
-            raise ValueError(f"a Caseless pattern is written in lower case: {source!r}")
-        self.folding = re.compile(source, re.IGNORECASE)
-        self.lowered = re.compile(source)
+    def __init__(self, source: str, *, caseless: bool = False, needs: Callable[[str], bool] | None = None) -> None:
+        if caseless and any(c.isascii() and c.isupper() for c in re.sub(r"\\.", "", source)):
+            raise ValueError(f"a caseless pattern is written in lower case: {source!r}")
+        self.exact = re.compile(source, re.IGNORECASE if caseless else 0)
+        self.lowered = re.compile(source) if caseless else None
+        self.needs = needs
 
-    def search(self, text: str, lower: str | None) -> bool:
-        """Whether the pattern occurs in `text`, given `lower = ascii_lower(text)`."""
-        found = self.lowered.search(lower) if lower is not None else self.folding.search(text)
-        return found is not None
+    def search(self, text: str, lower: str | None = None) -> bool:
+        """Whether the pattern occurs in `text`, given `lower = ascii_lower(text)` for a caseless one."""
+        if self.needs is not None and not self.needs(text):
+            return False
+        if self.lowered is not None and lower is not None:
+            return self.lowered.search(lower) is not None
+        return self.exact.search(text) is not None
 
-    def match(self, text: str, lower: str | None) -> bool:
-        """Whether the pattern occurs at the start of `text`, given `lower = ascii_lower(text)`."""
-        found = self.lowered.match(lower) if lower is not None else self.folding.match(text)
-        return found is not None
+    def match(self, text: str, lower: str | None = None) -> bool:
+        """Whether the pattern occurs at the start of `text` (see `search`)."""
+        if self.needs is not None and not self.needs(text):
+            return False
+        if self.lowered is not None and lower is not None:
+            return self.lowered.match(lower) is not None
+        return self.exact.match(text) is not None
 
 
 def ascii_lower(text: str) -> str | None:
-    """`text` lower-cased when it is ASCII (Caseless's fast path), else None."""
+    """`text` lower-cased when it is ASCII (the fast path of a caseless Pattern), else None."""
     return text.lower() if text.isascii() else None
 
 
 _I = re.IGNORECASE
-_GOAL = Caseless(r"\b(?:the|our|my)\s+(?:main\s+|overall\s+|end\s+|primary\s+)?(?:goal|aim|objective)\s+is\b"
-                 r"|\bwe(?:'re| are)\s+(?:trying|aiming)\s+to\b|\bi(?:'m| am)\s+(?:trying|aiming)\s+to\s+build\b")
-_DECISION = Caseless(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
-                     r"|\bwe(?:'ll| will)\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
-                     r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bdecision\s*:|\bi(?:'ve| have)?\s+decided\b")
-_CONSTRAINT = Caseless(r"\b(?:must(?:\s+not)?|mustn't|cannot|can't|never|always|is\s+required|are\s+required"
-                       r"|no\s+more\s+than|at\s+most|at\s+least|not\s+allowed|has\s+to|have\s+to)\b")
-_PREFERENCE = Caseless(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\bi(?:'d| would)\s+(?:like|rather)\b"
-                       r"|\bplease\s+(?:always|never|keep|use|avoid)\b")
-_TASK = Caseless(r"\btodo\b|\bwe\s+(?:still\s+)?need\s+to\b|\bnext,?\s+(?:we|i)\s+(?:should|need|will)\b"
-                 r"|\bdon't\s+forget\s+to\b|\bremaining\s*:|\bopen\s+task\b")
-_TODO = re.compile(r"\bTODO\b")
-_SHARED = Caseless(r"\bwe\b|\blet's\b|decision")  # an assistant's decision counts when it is joint
-_STACK = Caseless(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
-                  r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b")
-_ARCH = Caseless(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
-                 r"|\b(?:service|component)s?\s+(?:talks?|communicates?|calls?)\b")
-_NAME = re.compile(r"\b(?i:my\s+name\s+is|call\s+me|I\s+am\s+called)\s+([A-Z][\w'-]+(?:\s+[A-Z][\w'-]+)?)"
-                   r"|\bI'm\s+([A-Z][a-z'-]+(?:\s+[A-Z][a-z'-]+)?)\b(?=[,.!]|\s+(?:and|from|here))")
-_TECH = Caseless(r"\b(?:python|fastapi|django|flask|postgres(?:ql)?|mysql|sqlite|redis|kafka|rabbitmq|react"
-                 r"|vue|svelte|angular|typescript|javascript|node(?:\.js)?|rust|golang|java|kotlin|swift"
-                 r"|docker|kubernetes|k8s|terraform|aws|gcp|azure|graphql|grpc|mongodb|elasticsearch"
-                 r"|nginx|celery|aiohttp|pydantic|pytest|next\.js|tailwind)\b")
-_FACT_VALUE = Caseless(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"
-                       r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b")
+_GOAL = Pattern(r"\b(?:the|our|my)\s+(?:main\s+|overall\s+|end\s+|primary\s+)?(?:goal|aim|objective)\s+is\b"
+                r"|\bwe(?:'re| are)\s+(?:trying|aiming)\s+to\b|\bi(?:'m| am)\s+(?:trying|aiming)\s+to\s+build\b",
+                caseless=True)
+_DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
+                    r"|\bwe(?:'ll| will)\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
+                    r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bdecision\s*:|\bi(?:'ve| have)?\s+decided\b",
+                    caseless=True)
+_CONSTRAINT = Pattern(r"\b(?:must(?:\s+not)?|mustn't|cannot|can't|never|always|is\s+required|are\s+required"
+                      r"|no\s+more\s+than|at\s+most|at\s+least|not\s+allowed|has\s+to|have\s+to)\b", caseless=True)
+_PREFERENCE = Pattern(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\bi(?:'d| would)\s+(?:like|rather)\b"
+                      r"|\bplease\s+(?:always|never|keep|use|avoid)\b", caseless=True)
+_TASK = Pattern(r"\btodo\b|\bwe\s+(?:still\s+)?need\s+to\b|\bnext,?\s+(?:we|i)\s+(?:should|need|will)\b"
+                r"|\bdon't\s+forget\s+to\b|\bremaining\s*:|\bopen\s+task\b", caseless=True)
+_TODO = Pattern(r"\bTODO\b")
+_SHARED = Pattern(r"\bwe\b|\blet's\b|decision", caseless=True)  # an assistant's decision counts when it is joint
+_STACK = Pattern(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
+                 r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", caseless=True)
+_ARCH = Pattern(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
+                r"|\b(?:service|component)s?\s+(?:talks?|communicates?|calls?)\b", caseless=True)
+_NAME = Pattern(r"\b(?i:my\s+name\s+is|call\s+me|I\s+am\s+called)\s+([A-Z][\w'-]+(?:\s+[A-Z][\w'-]+)?)"
+                r"|\bI'm\s+([A-Z][a-z'-]+(?:\s+[A-Z][a-z'-]+)?)\b(?=[,.!]|\s+(?:and|from|here))")
+_TECH = Pattern(r"\b(?:python|fastapi|django|flask|postgres(?:ql)?|mysql|sqlite|redis|kafka|rabbitmq|react"
+                r"|vue|svelte|angular|typescript|javascript|node(?:\.js)?|rust|golang|java|kotlin|swift"
+                r"|docker|kubernetes|k8s|terraform|aws|gcp|azure|graphql|grpc|mongodb|elasticsearch"
+                r"|nginx|celery|aiohttp|pydantic|pytest|next\.js|tailwind)\b", caseless=True)
+# Every alternative holds a digit or a "/"; the last one tries [a-z][a-z0-9]+ from every word.
+_DIGIT_OR_SLASH = re.compile(r"[\d/]")
+_FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"
+                      r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b", caseless=True,
+                      needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
 _SUPERSEDE = re.compile(r"\binstead\s+of\s+([\w.+#-]+)|\bswitch(?:ed|ing)?\s+from\s+([\w.+#-]+)\s+to\b"
                         r"|\bno\s+longer\s+(?:use|using|need)\s+([\w.+#-]+)|\breplac(?:e|ed|ing)\s+([\w.+#-]+)\s+with\b"
                         r"|\bdrop(?:ped|ping)?\s+([\w.+#-]+)\s+in\s+favou?r\s+of\b", _I)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -35,61 +35,44 @@ class SummarizerError(Exception):
 
 # -- extractive --------------------------------------------------------------------------------
 
-Caseless = state.Caseless
-_CHATTER = Caseless(
+Pattern = state.Pattern
+_CHATTER = Pattern(
     r"^(?:hi|hello|hey|thanks|thank you|thx|great|ok|okay|sure|sounds good|got it|cool|perfect|awesome|nice"
     r"|no problem|you're welcome|glad|happy to help|good (?:morning|afternoon|evening)|bye|cheers|yes|no"
     r"|absolutely|of course|certainly|alright|right|understood|makes sense|i see|hope this helps"
-    r"|let me know|feel free|does that help|anything else)\b")
-_DURABLE = Caseless(
+    r"|let me know|feel free|does that help|anything else)\b", caseless=True)
+_DURABLE = Pattern(
     r"\b(?:decided|decision|chose|chosen|agreed|settled on|will use|we'll use|going with|let's use|go with"
     r"|must|mustn't|cannot|can't|never|always|required|requirement|not allowed|at most|at least|no more than"
     r"|prefer|preference|the goal|goal is|deadline|due|my name is|call me|i'm called|lives? at|located"
     r"|is stored|stored in|listens? on|runs on|named|called|ticket|constraint|policy|important|pinned|pin"
-    r"|deprecated|replaced|instead of|switched)\b")
+    r"|deprecated|replaced|instead of|switched)\b", caseless=True)
 # "The X is Y" with a concrete value defines a fact.
-_DEFINITION = Caseless(r"\b(?:the|our|my)\s+[\w -]{1,40}?\s+(?:is|are|was|will be)\b")
+_DEFINITION = Pattern(r"\b(?:the|our|my)\s+[\w -]{1,40}?\s+(?:is|are|was|will be)\b", caseless=True)
 # Progress reports are true once and then stale: a weaker claim on the summary's space.
-_TRANSIENT = Caseless(
+_TRANSIENT = Pattern(
     r"\b(?:i(?:'ve| have)? (?:added|fixed|updated|changed|ran|refactored|tried|looked|moved|renamed|removed"
-    r"|cleaned|checked)|now passes|tests? pass(?:es)?|let me|i'll|here(?:'s| is) (?:the|an?)|sure,)\b")
-
-
-class _Guarded:
-    """A pattern tried only on text that holds what each of its matches holds.
-
-    The guard is a substring test or a search led by a literal, which re finds by scanning; the
-    patterns it guards try a word-long [\\w-]+ from every word boundary. On LongMemEval
-    sentences the path pattern cost 8 us a sentence and matched 2% of them.
-    """
-
-    __slots__ = ("holds", "pattern")
-
-    def __init__(self, pattern: re.Pattern[str], holds: Callable[[str], bool]) -> None:
-        self.pattern = pattern
-        self.holds = holds
-
-    def search(self, text: str) -> bool:
-        return self.holds(text) and self.pattern.search(text) is not None
-
-
+    r"|cleaned|checked)|now passes|tests? pass(?:es)?|let me|i'll|here(?:'s| is) (?:the|an?)|sure,)\b", caseless=True)
 _EXTENSIONS = "py|js|ts|go|rs|yaml|yml|json|toml|md|sql|sh|cfg|ini|txt|html|css"
 _EXTENSION = re.compile(rf"\.(?:{_EXTENSIONS})\b")
-_SIGNALS: tuple[tuple[re.Pattern[str] | state.Caseless | _Guarded, float], ...] = (
-    (Caseless(r"\b\d{4}-\d{2}-\d{2}\b|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\.?\s+\d{1,2}"
-              r"(?:st|nd|rd|th)?\b|\b(?:monday|tuesday|wednesday|thursday|friday|saturday|sunday)s?\b"), 1.5),
-    (re.compile(r"\bv?\d+\.\d+(?:\.\d+)+\b|\bversion\s+\d+"), 1.5),  # versions
-    # Paths and file names: every path has a "/", every file name a known extension after a dot.
-    (_Guarded(re.compile(r"(?:^|[\s(\"'`])(?:~|\.{0,2})/[\w.-]+(?:/[\w.-]+)*|\b[\w-]+/[\w.-]+\.\w{1,5}\b"
-                         rf"|\b[\w-]+\.(?:{_EXTENSIONS})\b"),
-              lambda text: "/" in text or _EXTENSION.search(text) is not None), 1.5),
-    (_Guarded(re.compile(r"\bhttps?://\S+"), lambda text: "://" in text), 1.5),
-    (_Guarded(re.compile(r"\b[A-Z][A-Z0-9]+-\d+\b"), lambda text: "-" in text), 1.5),  # ticket / issue ids
-    (re.compile(r"\b[a-z][a-z0-9]+(?:_[a-z0-9]+)+\b|\b[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+\b"), 1.0),  # identifiers
-    (_Guarded(re.compile(r"\bport\s+\d+|:\d{2,5}\b"), lambda text: "port" in text or ":" in text), 1.5),
-    (Caseless(r"\b\d+(?:[.,]\d+)?\s*(?:%|ms|s|kb|mb|gb|tb|usd|\$|eur|k|m|seconds|minutes|hours|days|weeks"
-              r"|requests|users|rps|tokens)?\b"), 0.5),
-    (re.compile(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]{2,}(?:\s+[A-Z][a-z]{2,})*"), 0.5),  # names mid-sentence
+# `needs`: what every match holds, tested first (a path pattern tried from every word cost 8 us a
+# LongMemEval sentence, for the 2% that hold a path).
+_SIGNALS: tuple[tuple[state.Pattern, float], ...] = (
+    (Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\b(?:jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\.?\s+\d{1,2}"
+             r"(?:st|nd|rd|th)?\b|\b(?:monday|tuesday|wednesday|thursday|friday|saturday|sunday)s?\b",
+             caseless=True), 1.5),
+    (Pattern(r"\bv?\d+\.\d+(?:\.\d+)+\b|\bversion\s+\d+"), 1.5),  # versions
+    # Paths and file names: every path holds a "/", every file name a known extension after a dot.
+    (Pattern(r"(?:^|[\s(\"'`])(?:~|\.{0,2})/[\w.-]+(?:/[\w.-]+)*|\b[\w-]+/[\w.-]+\.\w{1,5}\b"
+             rf"|\b[\w-]+\.(?:{_EXTENSIONS})\b",
+             needs=lambda text: "/" in text or _EXTENSION.search(text) is not None), 1.5),
+    (Pattern(r"\bhttps?://\S+", needs=lambda text: "://" in text), 1.5),
+    (Pattern(r"\b[A-Z][A-Z0-9]+-\d+\b", needs=lambda text: "-" in text), 1.5),  # ticket / issue ids
+    (Pattern(r"\b[a-z][a-z0-9]+(?:_[a-z0-9]+)+\b|\b[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+\b"), 1.0),  # identifiers
+    (Pattern(r"\bport\s+\d+|:\d{2,5}\b", needs=lambda text: "port" in text or ":" in text), 1.5),
+    (Pattern(r"\b\d+(?:[.,]\d+)?\s*(?:%|ms|s|kb|mb|gb|tb|usd|\$|eur|k|m|seconds|minutes|hours|days|weeks"
+             r"|requests|users|rps|tokens)?\b", caseless=True), 0.5),
+    (Pattern(r"(?<![.!?]\s)(?<!^)\b[A-Z][a-z]{2,}(?:\s+[A-Z][a-z]{2,})*"), 0.5),  # names mid-sentence
 )
 _WORD = re.compile(r"[a-z0-9]+")
 _SPEAKER = re.compile(r"^(user|assistant|tool|system|developer):\s*")
@@ -109,10 +92,10 @@ def _score_body(body: str, role: str) -> float:
     words = body.split()
     if not words:
         return 0.0
-    low = state.ascii_lower(body)  # once for every case-insensitive pattern (state.Caseless)
+    low = state.ascii_lower(body)  # once for every caseless pattern (state.Pattern)
     s = 0.0
     for pattern, weight in _SIGNALS:
-        if pattern.search(body, low) if isinstance(pattern, Caseless) else pattern.search(body):
+        if pattern.search(body, low):
             s += weight
     if _DURABLE.search(body, low):
         s += 3.0

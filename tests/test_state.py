@@ -175,11 +175,11 @@ _CASELESS_WORDS = ["We", "we'll", "MUST", "never", "TODO", "I'm", "port", "8443"
 @settings(max_examples=500, deadline=None)
 @given(st.lists(st.sampled_from(_CASELESS_WORDS), max_size=10), st.sampled_from(["", " ", "-", "'"]))
 def test_caseless_agrees_with_ignorecase(words: list[str], sep: str) -> None:
-    """A Caseless pattern answers as the same pattern under re.IGNORECASE, on ASCII and non-ASCII text alike."""
+    """A caseless Pattern answers as the same pattern under re.IGNORECASE, on ASCII and non-ASCII text alike."""
     text = sep.join(words) if sep else " ".join(words)
     for source in (r"\bwe(?:'ll| will)\s+use\b|\bmust\b|\btodo\b|\bi'm\b", r"\bstack\s*[:=]|\b[a-z][a-z0-9]+-\d+\b",
                    r"\bkafka\b|\bstack\b|\bi\b"):
-        caseless = state.Caseless(source)
+        caseless = state.Pattern(source, caseless=True)
         folded = re.compile(source, re.IGNORECASE)
         lower = state.ascii_lower(text)
         assert caseless.search(text, lower) == (folded.search(text) is not None)
@@ -187,7 +187,16 @@ def test_caseless_agrees_with_ignorecase(words: list[str], sep: str) -> None:
 
 
 def test_caseless_source_must_be_lower_case() -> None:
-    """A Caseless source with a capital letter outside an escape is refused (its fast path could not match it)."""
-    state.Caseless(r"\bhttps?://\S+\b")  # \S and \b are escapes, not capitals
+    """A caseless source with a capital letter outside an escape is refused (its fast path could not match it)."""
+    state.Pattern(r"\bhttps?://\S+\b", caseless=True)  # \S and \b are escapes, not capitals
+    state.Pattern(r"\bTODO\b")  # case-sensitive: capitals are fine
     with pytest.raises(ValueError):
-        state.Caseless(r"\bTODO\b")
+        state.Pattern(r"\bTODO\b", caseless=True)
+
+
+def test_pattern_needs_guards_the_search() -> None:
+    """A Pattern with `needs` finds what its regex finds on text that passes the test, and nothing on other text."""
+    p = state.Pattern(r"\bport\s+\d+", needs=lambda text: "port" in text)
+    assert p.search("listen on port 8443") and not p.search("no value here")
+    never = state.Pattern(r"\bport\s+\d+", needs=lambda text: False)
+    assert not never.search("listen on port 8443")
