@@ -318,23 +318,28 @@ async def main() -> None:
                 else:
                     await load(proxied, g_work, max(1, args.warmup // conc), conc)
                 d, g, own = Run(), Run(), []
-                cpu = 0.0
+                cpu = [0.0] * len(procs)
                 for _ in range(args.rounds):
                     d.add(await load(direct, d_work, per_round, conc))
                     gw_log.mark()
-                    cpu0 = sum(cpu_seconds(pr.pid) for pr in procs)
+                    cpu0 = [cpu_seconds(pr.pid) for pr in procs]
                     g.add(await load(proxied, g_work, per_round, conc))
-                    cpu += sum(cpu_seconds(pr.pid) for pr in procs) - cpu0
+                    cpu = [c + cpu_seconds(pr.pid) - c0 for c, c0, pr in zip(cpu, cpu0, procs, strict=True)]
                     await asyncio.sleep(0.2)  # the log is written in batches
                     own += gw_log.since_mark()
                 dq = [pct(d.latencies, q) * 1000 for q in (50, 90, 99)]
                 gq = [pct(g.latencies, q) * 1000 for q in (50, 90, 99)]
                 own_s = f"{pct(own, 50):.3f}/{pct(own, 99):.3f}" if own else "-"
+
+                def per_req(seconds: float, n: int = len(g.latencies)) -> str:
+                    return f"{seconds / n * 1000:.2f}ms"
+
                 ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory else ""
                 print(f"{mode:<7}{conc:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
                       f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
                       f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
-                      f"{d.rps:>6.0f}/{g.rps:<6.0f} | {cpu / len(g.latencies) * 1000:>5.2f}ms | {own_s:>18}{ctx}",
+                      f"{d.rps:>6.0f}/{g.rps:<6.0f} | {per_req(cpu[0]):>7} | {own_s:>18}{ctx}"
+                      + (f" | worker CPU/req {per_req(cpu[1])}" if len(cpu) > 1 else ""),
                       flush=True)
     finally:
         for proc in (*procs, fake):
