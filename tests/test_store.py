@@ -59,7 +59,7 @@ def redis_cluster() -> Iterator[str]:
     """A three-primary Redis Cluster on loopback, as a `redis+cluster://` URL."""
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if binary is None or cli is None:
-        pytest.skip("redis-server / redis-cli not installed")
+        pytest.fail("redis-server / redis-cli not installed: `apt-get install -y redis-server` (.ci/run does this)")
     workdir = tempfile.mkdtemp(prefix="gw-cluster-")
     ports = [_cluster_port() for _ in range(3)]
     procs = [
