@@ -152,6 +152,11 @@ def build_plan(
     return draft.finish(recall(draft.window_start, draft.budget))
 
 
+def over_thresholds(messages: int, tokens: int, settings: MemorySettings) -> bool:
+    """Whether a conversation this long is rewritten: under both thresholds it goes upstream whole."""
+    return messages >= settings.message_threshold or tokens >= settings.token_threshold
+
+
 def draft_plan(
     shape: Shape,
     *,
@@ -173,8 +178,7 @@ def draft_plan(
     original = total_tokens + system_tokens
     # Without messages [0, tail_start) at hand, "full" could not be rendered for a delta client.
     full = _full_plan(head, tail, tail_start, original) if len(head) >= tail_start else None
-    under = total_messages < settings.message_threshold and total_tokens < settings.token_threshold
-    if full is not None and under and original <= context_budget:
+    if full is not None and not over_thresholds(total_messages, total_tokens, settings) and original <= context_budget:
         return Draft(full)
 
     templates = settings.templates

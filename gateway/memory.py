@@ -567,7 +567,15 @@ class Memory:
         # turns): the older ones beyond the window are what a fold would take, by tokens too.
         unsummarised = [*view.tail[: max(0, req.decision.base - view.tail_start)], *turns]
         aged = unsummarised[: max(0, len(unsummarised) - mem.keep_recent)]
-        if urgent or fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent,
-                                      fold_batch=mem.fold_batch, aged_tokens=sum(t.tokens for t in aged),
-                                      fold_tokens=mem.fold_tokens):
-            await self.store.enqueue_fold(req.ref, urgent=urgent)
+        if urgent:
+            await self.store.enqueue_fold(req.ref, urgent=True)
+            return
+        # A summary is read only by rewritten requests: while the conversation stays under both
+        # thresholds it goes upstream whole, and folding it would spend summarizer CPU (or tokens) for
+        # nothing. And the load just said whether a fold is queued: asking Redis again is a round trip.
+        tokens = view.tokens_total + sum(t.tokens for t in turns)
+        if view.fold_pending or not context.over_thresholds(length, tokens, mem):
+            return
+        if fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
+                            aged_tokens=sum(t.tokens for t in aged), fold_tokens=mem.fold_tokens):
+            await self.store.enqueue_fold(req.ref)

@@ -430,7 +430,8 @@ class Store:
             tail_start=covers,
             tokens_total=int(meta[3] or 0),
             stats={k.decode(): int(v) for k, v in zip(stats[::2], stats[1::2], strict=True)},
-            fold_pending=meta[4] is not None,
+            # A flag past FOLD_FLAG_STALE_MS belongs to a lost job: enqueue_fold would queue anew.
+            fold_pending=meta[4] is not None and time.time() * 1000 - int(meta[4]) < self.FOLD_FLAG_STALE_MS,
         )
 
     async def append(self, ref: ConvRef, turns: list[Turn], *, base_length: int, base_chain: str,

@@ -488,9 +488,12 @@ async def test_enqueue_fold_at_most_once(store: Store) -> None:
 
 
 async def test_stale_fold_flag_is_requeued(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A queued flag older than FOLD_FLAG_STALE_MS (a lost job) does not block a new one forever."""
+    """A queued flag older than FOLD_FLAG_STALE_MS (a lost job) does not block a new one forever,
+    and load does not report it as a pending fold (the request path would never queue again)."""
     assert await store.enqueue_fold(REF)
+    assert (await store.load(REF)).fold_pending
     monkeypatch.setattr(Store, "FOLD_FLAG_STALE_MS", 0)
+    assert not (await store.load(REF)).fold_pending
     assert await store.enqueue_fold(REF)
 
 
