@@ -9,6 +9,8 @@ conversations are evicted past `max_conversations`.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -18,6 +20,11 @@ from gateway.retrieval import RetrievalIndex
 
 # Tokens of an excerpt's "[message 123, assistant, 2023-05-08T13:56:00]" header (cl100k: 17-19).
 EXCERPT_HEADER_TOKENS = 20
+# A catch-up from the store (a cold index: restart, eviction, another replica) is indexed in slices
+# that give the event loop back: indexing costs ~0.1 ms per message of real text, so 500 messages
+# in one go would stall every other request for ~65 ms.
+SLICE_MESSAGES = 64
+SLICE_SECONDS = 0.002
 
 # (conversation key) → messages [start, stop) from the store
 FetchTurns = Callable[[int, int], Awaitable[list[Turn]]]
@@ -32,6 +39,9 @@ class _Entry:
     tokens: list[int] = field(default_factory=list)
     chains: list[str] = field(default_factory=list)
     version: int = 0  # bumped by every change to the index: a remembered search is stale after one
+    # Held while a catch-up yields mid-way: a concurrent request waits instead of indexing the same
+    # positions a second time.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The last search (arguments, version, result): a retried or regenerated request asks again
     # with the same question over the same messages.
     last: tuple[tuple[object, ...], int, list[Recalled]] | None = None
@@ -95,18 +105,40 @@ class RecallCache:
         replaced by a branch on another replica, so the cache is cut back there first.
         """
         entry = self._entry(key)
-        for offset, turn in enumerate(tail):
-            pos = tail_start + offset
-            if pos >= len(entry.chains):
-                break
-            if entry.chains[pos] != turn.chain:
-                self.truncate(key, pos)
-                break
-        have = len(entry.texts)
-        if have < tail_start:
-            self._add(entry, await fetch(have, tail_start))
-            have = tail_start
-        self._add(entry, tail[have - tail_start:])
+        async with entry.lock:
+            for offset, turn in enumerate(tail):
+                pos = tail_start + offset
+                if pos >= len(entry.chains):
+                    break
+                if entry.chains[pos] != turn.chain:
+                    self.truncate(key, pos)
+                    break
+            have = len(entry.texts)
+            if have < tail_start:
+                if not await self._catch_up(entry, have, await fetch(have, tail_start)):
+                    return  # a branch cut the index back meanwhile: the next sync goes on from there
+                have = tail_start
+            self._add(entry, tail[have - tail_start:])
+
+    async def _catch_up(self, entry: _Entry, start: int, turns: Sequence[Turn]) -> bool:
+        """Index `turns` (positions from `start`), yielding to the event loop between slices.
+
+        False when the index no longer ends where this slice starts (truncated by a branch)."""
+        done = 0
+        while done < len(turns):
+            if len(entry.texts) != start + done:
+                return False
+            deadline = time.perf_counter() + SLICE_SECONDS
+            stop = min(done + SLICE_MESSAGES, len(turns))
+            end = done + 1
+            self._add(entry, turns[done:end])
+            while end < stop and time.perf_counter() < deadline:
+                self._add(entry, turns[end:end + 1])
+                end += 1
+            done = end
+            if done < len(turns):
+                await asyncio.sleep(0)
+        return True
 
     def search(
         self,

@@ -66,3 +66,74 @@ async def test_repeated_search_is_remembered_until_the_index_changes(monkeypatch
     cache.truncate("k", 8)
     assert 8 not in {h.position for h in cache.search("k", query="cat Luna", before=9, budget_tokens=1000)}
     assert len(calls) == 4
+
+
+def _many(n: int) -> list[str]:
+    return [f"message {i} about topic{i % 37} and the cat named Luna{i % 5}" for i in range(n)]
+
+
+async def test_cold_catch_up_gives_the_event_loop_back() -> None:
+    """Indexing hundreds of stored messages at once (a cold index) lets other requests run meanwhile."""
+    import asyncio
+
+    texts = _many(400)
+    cache = RecallCache()
+    ticks = 0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def fetch(a: int, b: int) -> list[Turn]:
+        return _turns(texts[a:b], a)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    await cache.sync("k", _turns(texts[390:], 390), 390, fetch)
+    stop = True
+    await task
+    assert ticks - before >= 400 // 64  # at least once per slice
+    assert len(cache._entries["k"].texts) == 400
+
+
+async def test_concurrent_catch_ups_index_each_message_once() -> None:
+    """Two requests that find the same cold index index its messages once, in order."""
+    import asyncio
+
+    texts = _many(300)
+    cache = RecallCache()
+
+    async def fetch(a: int, b: int) -> list[Turn]:
+        await asyncio.sleep(0)
+        return _turns(texts[a:b], a)
+
+    tail = _turns(texts[290:], 290)
+    await asyncio.gather(cache.sync("k", tail, 290, fetch), cache.sync("k", tail, 290, fetch))
+    entry = cache._entries["k"]
+    assert entry.chains == [f"c{i}" for i in range(300)]
+    assert [h.position for h in cache.search("k", query="topic5 Luna0", before=300, budget_tokens=60)]
+
+
+async def test_branch_during_a_catch_up_leaves_a_consistent_index() -> None:
+    """A branch that cuts the index back while a catch-up yields stops it; positions never shift."""
+    import asyncio
+
+    texts = _many(400)
+    cache = RecallCache()
+
+    async def fetch(a: int, b: int) -> list[Turn]:
+        return _turns(texts[a:b], a)
+
+    sync = asyncio.create_task(cache.sync("k", _turns(texts[390:], 390), 390, fetch))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    cache.truncate("k", 10)
+    await sync
+    entry = cache._entries["k"]
+    assert entry.chains == [f"c{i}" for i in range(len(entry.chains))]
+    await cache.sync("k", _turns(texts[390:], 390), 390, fetch)
+    assert entry.chains == [f"c{i}" for i in range(400)]
