@@ -46,15 +46,18 @@ garden") that no lexical method closes. Also measured and dropped: a user-messag
 +0.005 at most once step 4 is on), max instead of sum over neighbours (equal or worse), a BM25
 length term for sessions (no change).
 
-Cost: ``add`` is O(message length). Postings are per-term ``array('I')`` of
-``position << 8 | tf`` (4 bytes a posting, tf capped at 255), a bare int while a term has one
-posting; terms are interned so cached conversations share their strings: ~0.9 MB for 1,000
-messages. ``search`` walks the postings of the query words that rank (not those in more than half
-the messages), reads per-session frequencies cached per queried term (brought up to date from new
-postings only), lifts the messages of the sessions above the median, and is O(messages) for the
-time prior only when the question names a time: 0.43 ms p50, 0.76 ms p99 on the dev file's
-~500-message conversations (``scripts/tune_retrieval.py``; 0.49 / 1.09 ms when every query summed
-every posting of its words per session).
+Cost: ``add`` is O(message length). Postings are per-term ``bytearray``s of native uint32
+``position << 8 | tf`` (4 bytes a posting, tf capped at 255, read through ``memoryview.cast``),
+a bare int while a term has one posting. Not ``array('I')``: arrays are objects the cyclic GC
+tracks, and a full collection walked every term of every cached conversation on the event loop
+(120 conversations of 500 dev-set messages: 386,000 tracked objects, a 43 ms pause); a dict of
+strings to ints and bytearrays is not tracked at all. Terms are interned so cached conversations
+share their strings: ~0.9 MB for 1,000 messages. ``search`` walks the postings of the query words
+that rank (not those in more than half the messages), reads per-session frequencies cached per
+queried term (brought up to date from new postings only), lifts the messages of the sessions above
+the median, and is O(messages) for the time prior only when the question names a time: 0.43 ms
+p50, 0.76 ms p99 on the dev file's ~500-message conversations (``scripts/tune_retrieval.py``;
+0.49 / 1.09 ms when every query summed every posting of its words per session).
 """
 
 from __future__ import annotations
@@ -62,11 +65,16 @@ from __future__ import annotations
 import functools
 import math
 import re
+import struct
 import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
+
+# Native uint32, the item format memoryview.cast("I") reads back.
+_ONE = struct.Struct("=I").pack
+_PAIR = struct.Struct("=II").pack
 
 __all__ = ["Excerpt", "RankingParams", "RetrievalIndex"]
 
@@ -333,12 +341,12 @@ class RetrievalIndex:
         self._p = params or RankingParams()
         # term -> postings `position << 8 | tf`, ascending; a bare int while the term has one posting,
         # since ~40% of a conversation's words occur once and an array costs 80 bytes of overhead.
-        self._postings: dict[str, int | array[int]] = {}
+        self._postings: dict[str, int | bytearray] = {}
         # Query term -> (postings consumed, `session << 32 | tf summed over the session's messages`
         # ascending): the session prior's per-session frequencies, brought up to date from the new
         # postings when the term is queried again, instead of summing every posting per query.
         # Only queried terms with several postings: a copy for every term would double the index.
-        self._sess_tf: dict[str, tuple[int, array[int]]] = {}
+        self._sess_tf: dict[str, tuple[int, bytes]] = {}  # packed array("Q"), bytes for the GC's sake
         self._lengths = array("I")  # indexed words per message (BM25 length)
         self._tokens = array("I")  # caller's token count per message (budgeting)
         self._cost = array("d")  # max(tokens, 1) ** cost_alpha: the fill's divisor, computed once
@@ -391,9 +399,9 @@ class RetrievalIndex:
             if plist is None:
                 postings[t] = packed
             elif isinstance(plist, int):
-                postings[t] = array("I", (plist, packed))
+                postings[t] = bytearray(_PAIR(plist, packed))
             else:
-                plist.append(packed)
+                plist += _ONE(packed)
         self._sess_len[-1] += len(terms)
         self._secs.append(secs)
         if secs == secs:
@@ -421,13 +429,19 @@ class RetrievalIndex:
                 if plist >= floor:
                     del postings[t]
                 continue
-            while plist and plist[-1] >= floor:
-                plist.pop()
-            if len(plist) <= 1:
-                if plist:
-                    postings[t] = plist[0]
+            view = memoryview(plist).cast("I")
+            keep = len(view)
+            while keep and view[keep - 1] >= floor:
+                keep -= 1
+            first = view[0] if keep else 0
+            view.release()  # a bytearray with a live view cannot shrink
+            if keep <= 1:
+                if keep:
+                    postings[t] = first
                 else:
                     del postings[t]
+            else:
+                del plist[keep * 4:]
         self._total_len -= sum(self._lengths[length:])
         del self._lengths[length:]
         del self._tokens[length:]
@@ -518,7 +532,7 @@ class RetrievalIndex:
         if any(_df(e) <= n // 2 for _, e in found):
             found = [f for f in found if _df(f[1]) <= n // 2]
         for w, entry in found:
-            plist: Sequence[int] = (entry,) if isinstance(entry, int) else entry
+            plist: Sequence[int] = (entry,) if isinstance(entry, int) else memoryview(entry).cast("I")
             df = len(plist)
             idf = w * math.log(1.0 + (n - df + 0.5) / (df + 0.5)) * (k1 + 1.0)
             for packed in plist:
@@ -585,15 +599,19 @@ class RetrievalIndex:
         session = self._session
         if isinstance(entry, int):
             return (session[entry >> 8] << 32 | (entry & 255),)
-        done, sess = self._sess_tf.get(term) or (0, array("Q"))
-        for i in range(done, len(entry)):
-            packed = entry[i]
-            s = session[packed >> 8]
-            if sess and sess[-1] >> 32 == s:
-                sess[-1] += packed & 255
-            else:
-                sess.append(s << 32 | (packed & 255))
-        self._sess_tf[term] = (len(entry), sess)
+        done, kept = self._sess_tf.get(term) or (0, b"")
+        sess = array("Q")
+        sess.frombytes(kept)
+        view = memoryview(entry).cast("I")
+        if done < len(view):
+            for i in range(done, len(view)):
+                packed = view[i]
+                s = session[packed >> 8]
+                if sess and sess[-1] >> 32 == s:
+                    sess[-1] += packed & 255
+                else:
+                    sess.append(s << 32 | (packed & 255))
+            self._sess_tf[term] = (len(view), sess.tobytes())
         return sess
 
     def _add_time_prior(self, spans: list[_Span], scores: dict[int, float], n: int, top: float) -> None:
@@ -644,8 +662,8 @@ class RetrievalIndex:
         return out
 
 
-def _df(plist: int | array[int]) -> int:
-    return 1 if isinstance(plist, int) else len(plist)
+def _df(plist: int | bytearray) -> int:
+    return 1 if isinstance(plist, int) else len(plist) >> 2
 
 
 def _stamp_time(m: re.Match[str]) -> datetime | None:

@@ -208,3 +208,19 @@ def test_time_expressions_resolve_against_the_day_they_were_said(phrase: str, sp
     got = [(date.fromordinal(a).isoformat(), date.fromordinal(b).isoformat())
            for a, b in _time_spans(phrase, date(2023, 9, 16))]
     assert got == spans
+
+
+def test_an_index_gives_the_cyclic_gc_next_to_nothing_to_walk() -> None:
+    """Indexing hundreds of messages adds a handful of GC-tracked objects, not one per term: a full
+    collection walks every tracked object on the event loop, so cached indexes must stay out of it."""
+    import gc
+
+    texts = [f"message {i} about topic{i % 150} and item{i * 7} with word{i % 40}" for i in range(400)]
+    messages = [("user", text, "") for text in texts]
+    gc.collect()
+    before = len(gc.get_objects())
+    index = _index(messages)
+    index.search("topic5 item35", budget_tokens=200)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50
+    assert not gc.is_tracked(index._postings)
