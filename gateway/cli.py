@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import sys
 from collections.abc import Sequence
@@ -80,6 +81,16 @@ def _install_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+async def _freeze_startup_heap(app: web.Application) -> None:
+    """Move everything alive after start-up (modules, settings, the tokenizer) out of the cyclic GC.
+
+    A full collection walks every tracked object, and it runs on the event loop: with the start-up
+    heap in it, each one paused all requests for ~25-55 ms in the overhead bench. What start-up
+    built lives as long as the process, so collections never need to see it (`gc.freeze`)."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(args: argparse.Namespace) -> int:
     from gateway import logs
     from gateway.app import create_app
@@ -95,6 +106,7 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or server.host
     port = server.port if args.port is None else args.port
     app = create_app(settings)
+    app.on_startup.append(_freeze_startup_heap)
     store_url = settings.store.url
     if store_url.startswith("memory://"):
         log.warning("store_embedded", store="memory://",
