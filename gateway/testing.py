@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import inspect
 import itertools
+import random
 import re
 import ssl
 import time
@@ -81,6 +82,7 @@ class FakeUpstream:
     error_count: int | None = None  # fail this many requests, then answer; None: while error_status is set
     drop_after: int | None = None  # stream events sent before the connection is cut
     latency: float = 0.0
+    latency_jitter: float = 0.0  # each answer waits latency ± up to this (uniform), like a real provider
     chunk_delay: float = 0.0
     extra_headers: dict[str, str] = field(default_factory=dict)  # added to every answer
     model_openai: str = "gpt-4o-mini"
@@ -154,7 +156,7 @@ class FakeUpstream:
             self.requests.append(Received(request.method, request.path, request.query_string,
                                           CIMultiDict(request.headers), body, raw))
         if self.latency:
-            await asyncio.sleep(self.latency)
+            await asyncio.sleep(self.latency + random.uniform(-self.latency_jitter, self.latency_jitter))
         return (body if isinstance(body, dict) else {}), len(raw)
 
     def _scripted_error(self, anthropic: bool) -> web.Response | None:
@@ -433,11 +435,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9999)
     p.add_argument("--latency-ms", type=float, default=0.0, help="delay before each answer")
+    p.add_argument("--jitter-ms", type=float, default=0.0, help="each delay varies by up to this much either way")
     p.add_argument("--reply", default="Hello from the fake upstream.")
     args = p.parse_args(argv)
 
     async def run() -> None:
-        fake = FakeUpstream(reply=args.reply, latency=args.latency_ms / 1000, record=False,
+        fake = FakeUpstream(reply=args.reply, latency=args.latency_ms / 1000, latency_jitter=args.jitter_ms / 1000,
+                            record=False,
                             host=args.host, port=args.port)
         async with fake:
             print(f"fake upstream on {fake.url}", flush=True)

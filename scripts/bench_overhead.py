@@ -10,13 +10,16 @@ Direct and gateway runs alternate in `--rounds` blocks, so drift on a shared mac
     python scripts/bench_overhead.py --requests 500 --concurrency 10
     python scripts/bench_overhead.py --conversation-turns 500 --store redis://127.0.0.1:6379/15
 
-`--conversation-turns N` turns the memory layer on. Each client slot then holds real conversations
+`--conversation-turns N[,M...]` turns the memory layer on. Each client slot then holds real conversations
 that start at N messages (system prompt aside) and grow as a full-history client's do: every
 request resends the history plus the reply it got and a new user message. After `--per-conversation`
 requests a slot moves on to its next conversation, so histories stay between N and N + 2 x that.
-Every conversation is seeded first (its first request, untimed) and the run waits until the fold
-workers have summarised the seeds: the timed requests meet the steady state of a long conversation
-(summary in place, one fold of new turns every `fold_batch` messages, in-process by default).
+Before each timed block, the conversations it will use are seeded (their first request, untimed),
+summarised by the fold workers, and warmed: the timed requests meet the steady state of a long
+conversation this gateway has been serving (summary in place, retrieval index built, one fold of
+new turns every `fold_batch` messages, in-process by default).
+Several sizes (`--conversation-turns 10,500`) run in one gateway process with their rounds
+interleaved, so a comparison between sizes is not skewed by the machine's drift either.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+
+from gateway.config import MemorySettings
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
@@ -172,25 +177,32 @@ async def load(url: str, work: Workload, per_slot: int, concurrency: int) -> Run
     return run
 
 
-async def seed(base: str, work: Workload, settle_s: float) -> None:
-    """Bring every queued conversation to the steady state of one this gateway has been serving.
+async def seed(base: str, work: Workload, settle_s: float, per_slot: int) -> None:
+    """Bring the next `per_slot` conversations of each slot to the steady state of one this gateway
+    has been serving (only those: more than the in-process caches hold would measure evictions).
 
     Its first request (the whole history at once), then a wait until the fold workers summarised
-    it, then one more request: the first rewritten one, which builds the process's retrieval index
-    of the conversation (a long conversation grown turn by turn has that index already).
+    it, then more requests until one comes back rewritten (at most 3; the cost model may send the
+    first ones whole): the first rewritten request builds the process's retrieval index of the
+    conversation, which one grown turn by turn through this gateway has had since its first rewrite.
     """
     url = f"{base}/v1/chat/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(work.queues))) as session:
 
-        async def send_all(s: int) -> None:
-            for conv in list(work.queues[s]):
-                payload, _ = await _post(session, url, work._body(conv), work.headers(conv))
-                conv.sent += 1
-                conv.messages.append({"role": "assistant", "content": reply_text(payload, work.stream)})
-                conv.messages.append(work._question(conv.sent))
+        fresh = {s: [c for c in list(q)[:per_slot] if c.sent == 0] for s, q in work.queues.items()}
+
+        async def send_all(s: int, tries: int = 1) -> None:
+            for conv in fresh[s]:
+                for _ in range(tries):
+                    payload, context = await _post(session, url, work._body(conv), work.headers(conv))
+                    conv.sent += 1
+                    conv.messages.append({"role": "assistant", "content": reply_text(payload, work.stream)})
+                    conv.messages.append(work._question(conv.sent))
+                    if context == "rewritten":
+                        break
 
         await asyncio.gather(*(send_all(s) for s in work.queues))
-        pending = {conv.id for q in work.queues.values() for conv in q}
+        pending = {conv.id for convs in fresh.values() for conv in convs}
         deadline = time.monotonic() + settle_s
         while pending and time.monotonic() < deadline:
             for conv_id in list(pending):
@@ -204,7 +216,55 @@ async def seed(base: str, work: Workload, settle_s: float) -> None:
                 await asyncio.sleep(0.5)
         if pending:
             print(f"  ({len(pending)} seeded conversations still unsummarised after {settle_s:.0f} s)")
-        await asyncio.gather(*(send_all(s) for s in work.queues))
+        # Over the rewrite threshold a conversation is warmed until rewritten; under it, once.
+        tries = 3 if len(work.queues[0][0].messages) > MemorySettings().message_threshold else 1
+        await asyncio.gather(*(send_all(s, tries) for s in work.queues))
+
+
+@dataclass
+class Cell:
+    """One history size of one (concurrency, mode): its workloads and what its rounds measured."""
+
+    turns: int
+    d_work: Workload
+    g_work: Workload
+    cpu: list[float]  # seconds per process: gateway (, worker)
+    direct: Run = field(default_factory=Run)
+    gateway: Run = field(default_factory=Run)
+    own: list[float] = field(default_factory=list)
+
+    def row(self, mode: str, conc: int, memory: bool) -> str:
+        d, g, n = self.direct, self.gateway, len(self.gateway.latencies)
+        dq = [pct(d.latencies, q) * 1000 for q in (50, 90, 99)]
+        gq = [pct(g.latencies, q) * 1000 for q in (50, 90, 99)]
+        own = f"{pct(self.own, 50):.3f}/{pct(self.own, 99):.3f}" if self.own else "-"
+        ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory else ""
+        worker = f" | worker CPU/req {self.cpu[1] / n * 1000:.2f}ms" if len(self.cpu) > 1 else ""
+        return (f"{mode:<7}{conc:>5}{self.turns:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
+                f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
+                f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
+                f"{d.rps:>6.0f}/{g.rps:<6.0f} | {self.cpu[0] / n * 1000:>5.2f}ms | {own:>18}{ctx}{worker}")
+
+
+async def folds_settled(store_url: str, within: float = 60.0) -> None:
+    """Wait until no fold job is queued or running, so one block's folds do not run in the next's time."""
+    if store_url.startswith("memory://"):
+        await asyncio.sleep(1.0)  # no view into the embedded store from here
+        return
+    import redis.asyncio as aioredis
+
+    from gateway.keys import Keys
+
+    client = aioredis.Redis.from_url(store_url)
+    try:
+        stream, deadline = Keys().fold_stream(), time.monotonic() + within
+        while time.monotonic() < deadline:
+            groups = await client.xinfo_groups(stream) if await client.exists(stream) else []
+            if all(g["pending"] == 0 and not g.get("lag") for g in groups):
+                return
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
 
 
 async def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
@@ -257,10 +317,14 @@ async def main() -> None:
     p.add_argument("--requests", type=int, default=0, help="timed requests per cell (default 2000, memory 1000)")
     p.add_argument("--concurrency", default="1,10,50", help="comma-separated levels")
     p.add_argument("--latency-ms", type=float, default=20.0)
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="upstream latency varies uniformly by up to this much (0: fixed, and the clients "
+                        "tend to fall into lock-step waves)")
     p.add_argument("--modes", default="json,stream")
-    p.add_argument("--conversation-turns", type=int, default=0, help="memory on, histories of this many messages")
-    p.add_argument("--per-conversation", type=int, default=10, help="requests per conversation (memory mode)")
-    p.add_argument("--store", default="memory://")
+    p.add_argument("--conversation-turns", default="0",
+                   help="memory on, histories of this many messages (comma-separated sizes run interleaved)")
+    p.add_argument("--per-conversation", type=int, default=6, help="requests per conversation (memory mode)")
+    p.add_argument("--store", default="memory://", help="the gateway's store; a Redis database given here is FLUSHED")
     p.add_argument("--rounds", type=int, default=4, help="alternating direct/gateway blocks per cell")
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--settle-seconds", type=float, default=300)
@@ -268,7 +332,8 @@ async def main() -> None:
                    help="folds in a `gateway worker` process instead of inside `gateway serve`")
     args = p.parse_args()
 
-    memory = args.conversation_turns > 0
+    sizes = [int(t) for t in args.conversation_turns.split(",")]
+    memory = sizes != [0]
     requests = args.requests or (1000 if memory else 2000)
     workdir = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     fake_port, gw_port = free_port(), free_port()
@@ -283,7 +348,7 @@ async def main() -> None:
 
         redis.Redis.from_url(args.store).flushdb()
     fake = start([sys.executable, "-m", "gateway.testing", "--port", str(fake_port),
-                  "--latency-ms", str(args.latency_ms)], workdir / "fake.log")
+                  "--latency-ms", str(args.latency_ms), "--jitter-ms", str(args.jitter_ms)], workdir / "fake.log")
     procs = [start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(gw_port)],
                    workdir / "gateway.log")]
     if args.separate_worker:
@@ -296,51 +361,48 @@ async def main() -> None:
         base = f"http://127.0.0.1:{gw_port}"
         direct, proxied = f"http://127.0.0.1:{fake_port}/v1/chat/completions", f"{base}/v1/chat/completions"
         print(f"{requests} timed requests per cell in {args.rounds} alternating rounds, upstream latency "
-              f"{args.latency_ms:g} ms, {os.cpu_count()} CPUs, memory "
-              + (f"on ({args.store}), histories of {args.conversation_turns}-"
-                 f"{args.conversation_turns + 2 * args.per_conversation} messages, folds "
+              f"{args.latency_ms:g} ms" + (f" ± {args.jitter_ms:g}" if args.jitter_ms else "")
+              + f", {os.cpu_count()} CPUs, memory "
+              + (f"on ({args.store}), histories of N to N+{2 * args.per_conversation} messages, folds "
                  f"{'in a separate worker' if args.separate_worker else 'in-process'}" if memory else "off"))
-        print(f"{'mode':<7}{'conc':>5} | {'direct p50/p90/p99 ms':>22} | {'gateway p50/p90/p99 ms':>22} | "
+        print(f"{'mode':<7}{'conc':>5}{' N':>5} | {'direct p50/p90/p99 ms':>22} | {'gateway p50/p90/p99 ms':>22} | "
               f"{'added p50/p90/p99 ms':>21} | {'rps direct/gw':>13} | {'CPU/req':>7} | "
               f"{'gateway_ms p50/p99':>18}" + (" | contexts" if memory else ""))
         for conc in (int(c) for c in args.concurrency.split(",")):
             for mode in args.modes.split(","):
                 stream = mode == "stream"
                 per_round = max(1, requests // args.rounds // conc)
-                d_work, g_work = (
-                    Workload(args.conversation_turns, stream, grow=memory, header=header, tag=tag, slots=conc,
-                             per_slot=per_round * args.rounds + args.warmup // conc,
-                             per_conversation=args.per_conversation)
-                    for tag, header in ((f"d{conc}{mode}", False), (f"g{conc}{mode}-{time.time_ns()}", memory)))
-                await load(direct, d_work, max(1, args.warmup // conc), conc)
-                if memory:
-                    await seed(base, g_work, args.settle_seconds)
-                else:
-                    await load(proxied, g_work, max(1, args.warmup // conc), conc)
-                d, g, own = Run(), Run(), []
-                cpu = [0.0] * len(procs)
+                cells = []
+                for turns in sizes:
+                    d_work, g_work = (
+                        Workload(turns, stream, grow=memory, header=header, tag=tag, slots=conc,
+                                 per_slot=per_round * args.rounds + args.warmup // conc,
+                                 per_conversation=args.per_conversation)
+                        for tag, header in ((f"d{conc}{mode}{turns}", False),
+                                            (f"g{conc}{mode}{turns}-{time.time_ns()}", memory)))
+                    await load(direct, d_work, max(1, args.warmup // conc), conc)
+                    if not memory:
+                        await load(proxied, g_work, max(1, args.warmup // conc), conc)
+                    cells.append(Cell(turns, d_work, g_work, cpu=[0.0] * len(procs)))
+                # Conversations one block moves through, per slot (seed and warm-up requests included).
+                per_block = -(-per_round // max(1, args.per_conversation - 2)) + 2
                 for _ in range(args.rounds):
-                    d.add(await load(direct, d_work, per_round, conc))
-                    gw_log.mark()
-                    cpu0 = [cpu_seconds(pr.pid) for pr in procs]
-                    g.add(await load(proxied, g_work, per_round, conc))
-                    cpu = [c + cpu_seconds(pr.pid) - c0 for c, c0, pr in zip(cpu, cpu0, procs, strict=True)]
-                    await asyncio.sleep(0.2)  # the log is written in batches
-                    own += gw_log.since_mark()
-                dq = [pct(d.latencies, q) * 1000 for q in (50, 90, 99)]
-                gq = [pct(g.latencies, q) * 1000 for q in (50, 90, 99)]
-                own_s = f"{pct(own, 50):.3f}/{pct(own, 99):.3f}" if own else "-"
-
-                def per_req(seconds: float, n: int = len(g.latencies)) -> str:
-                    return f"{seconds / n * 1000:.2f}ms"
-
-                ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory else ""
-                print(f"{mode:<7}{conc:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
-                      f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
-                      f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
-                      f"{d.rps:>6.0f}/{g.rps:<6.0f} | {per_req(cpu[0]):>7} | {own_s:>18}{ctx}"
-                      + (f" | worker CPU/req {per_req(cpu[1])}" if len(cpu) > 1 else ""),
-                      flush=True)
+                    for c in cells:
+                        c.direct.add(await load(direct, c.d_work, per_round, conc))
+                        if memory:
+                            await seed(base, c.g_work, args.settle_seconds, per_block)
+                            await folds_settled(args.store)  # those the warm-up requests queued
+                            await asyncio.sleep(0.2)  # their log lines are written in batches too
+                        gw_log.mark()
+                        cpu0 = [cpu_seconds(pr.pid) for pr in procs]
+                        c.gateway.add(await load(proxied, c.g_work, per_round, conc))
+                        c.cpu = [x + cpu_seconds(pr.pid) - x0 for x, x0, pr in zip(c.cpu, cpu0, procs, strict=True)]
+                        await asyncio.sleep(0.2)  # the log is written in batches
+                        c.own += gw_log.since_mark()
+                        if memory:
+                            await folds_settled(args.store)
+                for c in cells:
+                    print(c.row(mode, conc, memory), flush=True)
     finally:
         for proc in (*procs, fake):
             proc.send_signal(signal.SIGINT)
