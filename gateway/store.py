@@ -79,6 +79,9 @@ class AppendResult:
     reason: str = ""  # "branched" when the CAS on the base failed
     chain: str = ""  # chain of the last stored message after the call
     start: int = -1  # position of the first of these turns (stored now or found already stored)
+    summary_version: int = 0  # after the call, to tell whether a known view is current
+    state_version: int = -1  # -1: not readable here (a project's state in another cluster slot)
+    fold_queued: bool = False
 
 
 # Every conversation script gets the conversation's keys in this order (keys.conversation_keys),
@@ -89,15 +92,22 @@ local function touch(ttl)
 end
 """
 
-# Appends ARGV[off], ARGV[off+1] ... as (hash, record) pairs after chain `prev`; returns the new
-# last chain. RPUSH in batches: Lua 5.1's unpack() is bounded by the C stack (~8000 values).
 # The optimistic check of append and branch: the history still has `chain` at position pos-1.
+# Both answer {ok, length, appended, reason, last chain, start, summary version, state version,
+# fold-queued flag}: the last three tell the caller whether what it knows of the conversation is
+# current (KEYS[sk] is the state hash when it lives in this slot, sk 0 when it does not).
 _BASE = """
 local function on_base(len, pos, chain)
   return pos <= len and (pos == 0 or redis.call('LINDEX', KEYS[3], pos - 1) == chain)
 end
-local function refused(len)
-  return {0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1}
+local function answer(ok, len, appended, reason, last, start, sk)
+  local state = -1
+  if sk > 0 then state = tonumber(redis.call('HGET', KEYS[sk], 'v')) or 0 end
+  return {ok, len, appended, reason, last, start, tonumber(redis.call('HGET', KEYS[4], 'v')) or 0, state,
+          redis.call('HGET', KEYS[1], 'q') or ''}
+end
+local function refused(len, sk)
+  return answer(0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1, sk)
 end
 """
 
@@ -113,20 +123,25 @@ local function add_stats(ttl)
 end
 """
 
+# Appends the n (hash, record) pairs from ARGV[off] after chain `prev`; returns the new last chain
+# and the pushed messages' tokens (each record starts with {"k":tokens). RPUSH in batches: Lua
+# 5.1's unpack() is bounded by the C stack (~8000 values).
 _PUSH = """
 local function push(prev, off, n)
-  local recs, chs = {}, {}
+  local recs, chs, tokens = {}, {}, 0
   for i = 1, n do
+    local rec = ARGV[off + 2 * i - 1]
     prev = redis.sha1hex(prev .. ARGV[off + 2 * i - 2])
     chs[#chs + 1] = prev
-    recs[#recs + 1] = string.sub(ARGV[off + 2 * i - 1], 1, -2) .. ',"c":"' .. prev .. '"}'
+    recs[#recs + 1] = string.sub(rec, 1, -2) .. ',"c":"' .. prev .. '"}'
+    tokens = tokens + (tonumber(string.match(rec, '^{"k":(%d+)')) or 0)
     if #chs == 1000 or i == n then
       redis.call('RPUSH', KEYS[2], unpack(recs))
       redis.call('RPUSH', KEYS[3], unpack(chs))
       recs, chs = {}, {}
     end
   end
-  return prev
+  return prev, tokens
 end
 """
 
@@ -153,51 +168,65 @@ if len > 0 then touch(ttl) end
 return {len, meta, summ, state, first, tail, redis.call('HGETALL', KEYS[5]), covers}
 """
 
-# ARGV: ttl, base_length, base_chain, dialect, tokens, stats (see _STATS), then (hash, record) pairs.
-# Returns {ok, length, appended, reason, last chain, start}.
+# KEYS: the conversation keys (+ 7: project state, as for _LOAD).
+# ARGV: ttl, base_length, base_chain, dialect, state index (see _BASE), stats (see _STATS), then
+# (hash, record) pairs: the run of turns to store after message base_length-1.
 _APPEND = _TOUCH + _STATS + _PUSH + _BASE + """
-local ttl, base, bchain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local ttl, base, bchain, sk = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
 local off = add_stats(ttl)
 local n = (#ARGV - off + 1) / 2
 local len = redis.call('LLEN', KEYS[3])
-if not on_base(len, base, bchain) then return refused(len) end
--- Idempotent retry: the same run of turns already stored anywhere after the base (a retried
--- request whose first attempt was recorded, possibly after concurrent requests' turns).
-if n > 0 and len - base >= n then
-  local seg = redis.call('LRANGE', KEYS[3], base, -1)
-  for s = 0, len - base - n do
-    local prev = bchain
-    if s > 0 then prev = seg[s] end
+if not on_base(len, base, bchain) then return refused(len, sk) end
+local seg = {}
+if n > 0 and len > base then seg = redis.call('LRANGE', KEYS[3], base, -1) end
+-- A base behind the store: the caller planned from what it knew before an append of this same
+-- history landed (its own previous request, recorded meanwhile). What is already stored right
+-- after the base is not stored again; the rest of the run goes on from there.
+local skip, prev = 0, bchain
+while skip < n and skip < #seg do
+  local c = redis.sha1hex(prev .. ARGV[off + 2 * skip])
+  if c ~= seg[skip + 1] then break end
+  prev, skip = c, skip + 1
+end
+local m, first, at = n - skip, off + 2 * skip, base + skip
+if m == 0 then
+  touch(ttl)
+  return answer(1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', base, sk)
+end
+-- Idempotent retry: the rest of the run already stored anywhere after `at` (a retried request
+-- whose first attempt was recorded, possibly after concurrent requests' turns).
+if len - at >= m then
+  for s = 0, len - at - m do
+    local p = prev
+    if s > 0 then p = seg[skip + s] end
     local i = 1
-    while i <= n and redis.sha1hex(prev .. ARGV[off + 2 * i - 2]) == seg[s + i] do
-      prev = seg[s + i]
+    while i <= m and redis.sha1hex(p .. ARGV[first + 2 * i - 2]) == seg[skip + s + i] do
+      p = seg[skip + s + i]
       i = i + 1
     end
-    if i > n then
+    if i > m then
       touch(ttl)
-      return {1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', base + s}
+      return answer(1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', at + s, sk)
     end
   end
 end
-if n == 0 then return {1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', len} end
 -- Concurrent requests built on the same base land after whatever is stored now.
-local prev = bchain
-if len > base then prev = redis.call('LINDEX', KEYS[3], len - 1) end
-local last = push(prev, off, n)
+if len > at then prev = seg[#seg] end
+local last, tokens = push(prev, first, m)
 if len == 0 then redis.call('HSET', KEYS[1], 'f', ARGV[off]) end
 redis.call('HSET', KEYS[1], 'd', ARGV[4], 'l', last)
-redis.call('HINCRBY', KEYS[1], 'k', ARGV[5])
+redis.call('HINCRBY', KEYS[1], 'k', tokens)
 touch(ttl)
-return {1, len + n, n, '', last, len}
+return answer(1, len + m, m, '', last, len, sk)
 """
 
-# ARGV: ttl, at, base_chain, dialect, tokens, stats (see _STATS), then (hash, record) pairs.
+# ARGV: ttl, at, base_chain, dialect, state index, stats (see _STATS), then (hash, record) pairs.
 _BRANCH = _TOUCH + _STATS + _PUSH + _BASE + """
-local ttl, at, bchain = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local ttl, at, bchain, sk = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
 local off = add_stats(ttl)
 local n = (#ARGV - off + 1) / 2
 local len = redis.call('LLEN', KEYS[3])
-if not on_base(len, at, bchain) then return refused(len) end
+if not on_base(len, at, bchain) then return refused(len, sk) end
 local dropped = 0
 if at < len then
   for _, rec in ipairs(redis.call('LRANGE', KEYS[2], at, -1)) do
@@ -216,9 +245,9 @@ if covers and covers > at then
   redis.call('HDEL', KEYS[4], 'x', 'n', 'k', 'c', 'e')
   redis.call('HINCRBY', KEYS[4], 'v', 1)
 end
-local last = bchain
+local last, tokens = bchain, 0
 if at == 0 then last = '' end
-if n > 0 then last = push(last, off, n) end
+if n > 0 then last, tokens = push(last, off, n) end
 if at == 0 and n > 0 then redis.call('HSET', KEYS[1], 'f', ARGV[off]) end
 if at + n == 0 then
   redis.call('HDEL', KEYS[1], 'f', 'l')
@@ -226,9 +255,9 @@ else
   redis.call('HSET', KEYS[1], 'l', last)
 end
 redis.call('HSET', KEYS[1], 'd', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'k', tonumber(ARGV[5]) - dropped)
+redis.call('HINCRBY', KEYS[1], 'k', tokens - dropped)
 touch(ttl)
-return {1, at + n, n, '', last, at}
+return answer(1, at + n, n, '', last, at, sk)
 """
 
 # ARGV: ttl, expect_version, covers, chain, text, tokens.
@@ -430,21 +459,33 @@ class Store:
             tail_start=covers,
             tokens_total=int(meta[3] or 0),
             stats={k.decode(): int(v) for k, v in zip(stats[::2], stats[1::2], strict=True)},
-            # A flag past FOLD_FLAG_STALE_MS belongs to a lost job: enqueue_fold would queue anew.
-            fold_pending=meta[4] is not None and time.time() * 1000 - int(meta[4]) < self.FOLD_FLAG_STALE_MS,
+            fold_pending=_fresh_flag(meta[4]),
         )
+
+    def _write_keys(self, ref: ConvRef) -> tuple[list[str], int]:
+        """The keys of an append or branch, and the index of the state key among them (0: absent)."""
+        keys = self.keys.conversation_keys(ref)
+        if not self.keys.state_is_shared(ref):
+            return keys, 6
+        if self.cluster:
+            return keys, 0  # the project's state lives in another slot
+        keys.append(self.keys.project_state(ref))
+        return keys, 7
 
     async def append(self, ref: ConvRef, turns: list[Turn], *, base_length: int, base_chain: str,
                      dialect: str, stats: Mapping[str, int] | None = None) -> AppendResult:
-        """Store `turns` after whatever is stored now, if message base_length-1 has chain base_chain.
+        """Store `turns` after message base_length-1, if it has chain base_chain.
 
+        Turns of the run already stored right after the base are skipped (the caller's base was
+        behind the store); the rest go after whatever is stored now (concurrent requests on one
+        base). A run already stored anywhere after the base stores nothing (a retry).
         `stats`: increments added to the conversation's stats in the same call, stored or not."""
         if base_length < 0:
             raise ValueError("base_length must be >= 0")
-        args = [self.ttl, base_length, base_chain, dialect, sum(int(t.tokens) for t in turns),
-                *_stat_args(stats), *_turn_args(turns)]
+        keys, sk = self._write_keys(ref)
+        args = [self.ttl, base_length, base_chain, dialect, sk, *_stat_args(stats), *_turn_args(turns)]
         with _guard:
-            res = await self._append(keys=self.keys.conversation_keys(ref), args=args)
+            res = await self._append(keys=keys, args=args)
         return _result(res)
 
     async def branch(self, ref: ConvRef, *, at: int, base_chain: str, turns: list[Turn],
@@ -452,10 +493,10 @@ class Store:
         """Keep messages [0, at) (CAS on the chain at at-1), drop the rest, append `turns` (+ `stats`)."""
         if at < 0:
             raise ValueError("at must be >= 0")
-        args = [self.ttl, at, base_chain, dialect, sum(int(t.tokens) for t in turns), *_stat_args(stats),
-                *_turn_args(turns)]
+        keys, sk = self._write_keys(ref)
+        args = [self.ttl, at, base_chain, dialect, sk, *_stat_args(stats), *_turn_args(turns)]
         with _guard:
-            res = await self._branch(keys=self.keys.conversation_keys(ref), args=args)
+            res = await self._branch(keys=keys, args=args)
         return _result(res)
 
     # ---- history ---------------------------------------------------------------------------
@@ -569,11 +610,20 @@ class Store:
 
 
 def _result(res: list[Any]) -> AppendResult:
-    ok, length, appended, reason, chain, start = res
-    return AppendResult(ok=bool(ok), length=int(length), appended=int(appended),
-                        reason=reason.decode() if isinstance(reason, bytes) else str(reason),
-                        chain=chain.decode() if isinstance(chain, bytes) else str(chain or ""),
-                        start=int(start))
+    ok, length, appended, reason, chain, start, summary_version, state_version, queued = res
+    return AppendResult(ok=bool(ok), length=int(length), appended=int(appended), reason=_text(reason),
+                        chain=_text(chain), start=int(start), summary_version=int(summary_version),
+                        state_version=int(state_version), fold_queued=_fresh_flag(queued))
+
+
+def _text(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")
+
+
+def _fresh_flag(value: bytes | str | None) -> bool:
+    """A queued-fold flag (ms since the epoch) younger than Store.FOLD_FLAG_STALE_MS: a job is queued.
+    Older, it belongs to a lost job: enqueue_fold would queue anew."""
+    return bool(value) and time.time() * 1000 - int(value or 0) < Store.FOLD_FLAG_STALE_MS
 
 
 def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:

@@ -299,6 +299,57 @@ async def test_retry_stores_nothing_twice(store: Store) -> None:
     assert (await store.load(REF)).tokens_total == 18
 
 
+async def test_append_from_a_base_behind_the_store_skips_what_is_stored(store: Store) -> None:
+    """A client's next request planned before its previous turn was recorded carries that turn again:
+    the turns already stored right after its base are not stored twice, the rest follow them."""
+    base = await fill(store, REF, turns("m", 2))
+    previous = [turn("u1"), turn("a1", "assistant")]
+    await store.append(REF, previous, base_length=2, base_chain=base, dialect="openai_chat")
+    nxt = [turn("u2"), turn("a2", "assistant")]
+    res = await store.append(REF, [*previous, *nxt], base_length=2, base_chain=base, dialect="openai_chat")
+    assert (res.ok, res.length, res.appended, res.start) == (True, 6, 2, 4)
+    stored = await store.messages(REF)
+    assert [t.text for t in stored] == ["m0", "m1", "u1", "a1", "u2", "a2"]
+    assert res.chain == chain_hashes([t.hash for t in stored])[-1]
+    assert (await store.load(REF)).tokens_total == 6 * 3  # the skipped turns are not counted twice
+    again = await store.append(REF, [*previous, *nxt], base_length=2, base_chain=base, dialect="openai_chat")
+    assert (again.ok, again.appended, again.length) == (True, 0, 6)
+
+
+async def test_append_behind_the_store_after_a_sibling_keeps_the_union(store: Store) -> None:
+    """Already-stored turns are skipped; the new ones still land after a concurrent request's turns."""
+    base = await fill(store, REF, turns("m", 2))
+    mine = [turn("u1"), turn("a1", "assistant")]
+    await store.append(REF, mine, base_length=2, base_chain=base, dialect="openai_chat")
+    await store.append(REF, [turn("u-other"), turn("a-other", "assistant")], base_length=4,
+                       base_chain=(await store.chains(REF))[-1], dialect="openai_chat")
+    res = await store.append(REF, [*mine, turn("u2")], base_length=2, base_chain=base, dialect="openai_chat")
+    assert (res.ok, res.appended) == (True, 1)
+    assert [t.text for t in await store.messages(REF)] == ["m0", "m1", "u1", "a1", "u-other", "a-other", "u2"]
+
+
+async def test_writes_report_the_summary_state_and_fold_flag(store: Store) -> None:
+    """Append and branch answer with the summary and state versions and the fold flag as they are after
+    the call, so a caller can tell whether what it knows of the conversation is current."""
+    base = await fill(store, REF, turns("m", 4))
+    res = await store.append(REF, [turn("x")], base_length=4, base_chain=base, dialect="openai_chat")
+    assert (res.summary_version, res.state_version, res.fold_queued) == (0, 0, False)
+    chains = await store.chains(REF)
+    assert await store.commit_fold(REF, expect_version=0, summary=Summary("s", 2, 0, 1, chains[1]))
+    assert await store.put_state(REF, {"items": []}, expect_version=None)
+    assert await store.enqueue_fold(REF)
+    res = await store.append(REF, [turn("y")], base_length=5, base_chain=chains[-1], dialect="openai_chat")
+    assert (res.summary_version, res.state_version, res.fold_queued) == (1, 1, True)
+    refused = await store.append(REF, [turn("z")], base_length=9, base_chain="", dialect="openai_chat")
+    assert (refused.ok, refused.summary_version, refused.state_version) == (False, 1, 1)
+    res = await store.branch(REF, at=1, base_chain=chains[0], turns=[], dialect="openai_chat")
+    assert res.summary_version == 2  # the summary covered the dropped messages
+    project = ConvRef("tenant-1", "conv-p", "proj")
+    assert await store.put_state(project, {"items": []}, expect_version=None)
+    res = await store.append(project, [turn("p")], base_length=0, base_chain="", dialect="openai_chat")
+    assert res.state_version == (-1 if store.cluster else 1)  # a project's state is in another slot
+
+
 async def test_large_append_is_batched(store: Store) -> None:
     """A first request carrying thousands of messages is stored whole (RPUSH in batches)."""
     items = turns("m", 2500)
@@ -575,6 +626,7 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("append"), st.integers(0, 3), st.integers(0, 6)),  # turns, staleness of the base
         st.tuples(st.just("retry"), st.just(0), st.just(0)),
+        st.tuples(st.just("behind"), st.integers(0, 3), st.integers(1, 6)),  # new turns, stored ones resent
         st.tuples(st.just("bad"), st.integers(1, 2), st.just(0)),  # append on a base that was never stored
         st.tuples(st.just("branch"), st.integers(0, 3), st.integers(0, 12)),  # turns, position
         st.tuples(st.just("fold"), st.integers(0, 12), st.booleans()),  # covers, with a stale version
@@ -587,8 +639,8 @@ OPS = st.lists(
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_random_operations_match_a_model(backend: str, redis_server: str, ops: list[tuple[str, int, Any]]) -> None:
-    """Any sequence of appends (fresh, stale-based, retried, invalid), branches and folds leaves
-    exactly the history, chains, summary and token total a plain list model predicts."""
+    """Any sequence of appends (fresh, stale-based, resending stored turns, retried, invalid), branches
+    and folds leaves exactly the history, chains, summary and token total a plain list model predicts."""
     url = redis_server if backend == "redis" else "memory://"
     asyncio.run(_run_model(url, ops))
 
@@ -618,6 +670,14 @@ async def _run_model(url: str, ops: list[tuple[str, int, Any]]) -> None:
                 assert res.ok and res.appended == a
                 model.extend(batch)
                 last_batch = (base, batch)
+            elif op == "behind" and model:
+                # A full-history client whose base is b turns behind the store: it resends them.
+                base = max(0, len(model) - b)
+                batch = fresh(a)
+                res = await store.append(ref, [*model[base:], *batch], base_length=base,
+                                         base_chain=chains[base - 1] if base else "", dialect="openai_chat")
+                assert res.ok and res.appended == a
+                model.extend(batch)
             elif op == "retry" and last_batch is not None:
                 base, batch = last_batch
                 if base <= len(model) and chain_hashes([t.hash for t in model[:base]]) == chains[:base]:
