@@ -82,6 +82,14 @@ class ConversationAPI:
         except StoreUnavailable as exc:
             raise GatewayError(503, "api_error", "the conversation store is unreachable") from exc
 
+    async def _changed(self, ref: ConvRef) -> None:
+        """An edit or delete: the memory hook here, and every other replica, stop planning from what
+        they knew of the conversation (gateway/views.py)."""
+        hook = self.app[self._hook_key]
+        if hook is not None and hasattr(hook, "changed"):
+            hook.changed(ref)
+        await self._guard(self.store.announce(ref))
+
     # -- routes -------------------------------------------------------------------------------
 
     async def get(self, request: web.Request) -> web.Response:
@@ -142,6 +150,7 @@ class ConversationAPI:
             data, version = await self._guard(self.store.get_state(ref))
             ledger = state.apply_edits(state.load(data), edits, time=now)
             if await self._guard(self.store.put_state(ref, ledger.model_dump(mode="json"), expect_version=version)):
+                await self._changed(ref)
                 return _json({"state": ledger.model_dump(mode="json")})
             await asyncio.sleep(0.01)
         raise GatewayError(409, "conflict_error", "the state kept changing; try again")
@@ -153,6 +162,7 @@ class ConversationAPI:
         if not isinstance(text, str):
             raise GatewayError(400, "invalid_request_error", 'body must be {"text": "<summary>"}')
         summary = await self._guard(self.store.put_summary(ref, text, self._count(text)))
+        await self._changed(ref)
         return _json({"summary": _summary_json(summary, True)})
 
     async def fold(self, request: web.Request) -> web.Response:
@@ -166,6 +176,7 @@ class ConversationAPI:
         hook = self.app[self._hook_key]
         if hook is not None and hasattr(hook, "forget"):
             hook.forget(ref)
+        await self._changed(ref)
         return _json({"id": ref.conversation, "deleted": True})
 
 

@@ -208,9 +208,13 @@ async def _memory_layer(app: web.Application) -> AsyncIterator[None]:
         # The summarizer has its own aiohttp session: folds are background work, off the hot path.
         summarizer = build_summarizer(settings, lambda text: counter.count(text, model))
         pool = start_workers(store, settings, summarizer, metrics=app[METRICS])
+    follow = asyncio.get_running_loop().create_task(hook.follow_store())
     try:
         yield
     finally:
+        follow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follow
         # Turns are recorded in background tasks: they need the store, so they finish first.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(drain_background(app), timeout=30)

@@ -114,3 +114,7 @@ class Keys:
 
     def fold_stream(self) -> str:
         return f"{self.prefix}:folds"
+
+    def changes(self) -> str:
+        """The pub/sub channel on which edits and deletes are announced to every replica."""
+        return f"{self.prefix}:changes"

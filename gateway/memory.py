@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from hashlib import blake2b
 from typing import Any
@@ -28,6 +28,7 @@ from gateway.reconcile import Decision, chain_hashes, reconcile
 from gateway.shape import Shape, content_hash, shape_for
 from gateway.store import AppendResult, Store, StoreUnavailable
 from gateway.tokens import TokenCounter
+from gateway.views import KnownViews, advance, rebase, with_summary
 
 log = structlog.get_logger("gateway.memory")
 
@@ -50,6 +51,8 @@ class _Request:
     plan: Plan | None
     system_hash: str = ""
     summarizer_charge: int = 0  # summarizer tokens deducted from this request's savings
+    known: bool = False  # planned from the view this process knew, not from a load
+    arrived: float = 0.0
 
 
 _clock: tuple[int, str] = (0, "")  # (second, its ISO text): turns arriving in one second share it
@@ -105,6 +108,9 @@ class Memory:
         self._hashes: OrderedDict[tuple[str, str, str], tuple[list[dict[str, Any]], list[str], list[str]]] = (
             OrderedDict())
         self._cache_size = 256  # conversations each in-process cache keeps
+        # The embedded store has no other writer: what this process knows of it is always current.
+        self.views = KnownViews(self._cache_size, live=store.embedded)
+        store.on_commit(self._committed)
         # What each conversation's last request carried, for the prompt-cache cost model.
         self._forwarded: OrderedDict[tuple[str, str], cost.Forwarded] = OrderedDict()
         # (tenant, conversation) → recent (start, stop, replied at) of the turns this process stored:
@@ -115,11 +121,45 @@ class Memory:
     def forget(self, ref: ConvRef) -> None:
         """Drop what this process caches about a deleted conversation."""
         conv = _key(ref)
+        self.views.drop(ref)
         self.recall.forget(conv)
         for key in [k for k in self._hashes if k[:2] == conv]:
             del self._hashes[key]
         for cache in (self._forwarded, self._stored_runs, self._storing):
             cache.pop(conv, None)
+
+    def changed(self, ref: ConvRef) -> None:
+        """`ref` was edited or deleted, here or on another replica: its next request loads (views.py)."""
+        self.views.drop(ref)
+
+    def _committed(self, ref: ConvRef, summary: Summary | None, state: tuple[dict[str, Any], int] | None) -> None:
+        """A fold worker of this process committed a summary or a state ledger: known views take it now."""
+        if summary is not None:
+            known = self.views.get(ref)
+            if known is not None:
+                updated = with_summary(known, summary)
+                if updated is None:
+                    self.views.drop(ref)
+                else:
+                    self.views.put(ref, updated)
+        if state is not None:
+            ledger, version = state
+            for other, known in self.views.of_project(ref):
+                if version > known.state_version:
+                    self.views.put(other, replace(known, state=ledger, state_version=version))
+
+    async def follow_store(self) -> None:
+        """Keep what this process knows of conversations honest while it runs (views.py): follow the
+        store's change channel. Returns at once for the embedded store, which has no other writer."""
+        if self.store.embedded:
+            return
+
+        def live(up: bool) -> None:
+            if up != self.views.live:
+                log.info("memory.changes_followed") if up else log.warning("memory.changes_lost")
+            self.views.set_live(up)
+
+        await self.store.watch(self.changed, live)
 
     # -- identify ---------------------------------------------------------------------------
 
@@ -143,31 +183,24 @@ class Memory:
 
         started = time.perf_counter()
         arrived = time.monotonic()
-        try:
-            view = await self.store.load(ref, head=mem.keep_initial)
-        except StoreUnavailable as exc:
-            return self._degraded(call, shape, history, exc)
+        hashes, chains = self._hash_history(ref, shape, history)
+        view, decision = self._from_known(ref, shape, hashes, chains)
+        known = view is not None
+        if view is None:
+            try:
+                view = await self.store.load(ref, head=mem.keep_initial)
+                decision = await self._decide(ref, hashes, chains, view, arrived)
+            except StoreUnavailable as exc:
+                return self._degraded(call, shape, history, exc)
         if view.dialect is not None and view.dialect != shape.dialect:
             # One conversation id reused across API dialects: its stored turns cannot be replayed
             # in the other format, so this request goes through untouched and is not recorded.
             return Prepared(body=None, headers={"x-gateway-context": "passthrough"})
-
-        hashes, chains = self._hash_history(ref, shape, history)
-        decision = reconcile(hashes, chains, view, self.settings.conversation.history)
-        if decision.action == "need_chains":
-            try:
-                stored = await self.store.chains(ref)
-            except StoreUnavailable as exc:
-                return self._degraded(call, shape, history, exc)
-            decision = reconcile(hashes, chains, view, self.settings.conversation.history, stored_chains=stored)
-        if decision.action == "branch" and self._siblings(ref, decision.base, view.length, arrived):
-            # Every turn after the divergence was stored by requests still unanswered when this one
-            # arrived: concurrent requests on one base, not an edit. Store the union (append after them).
-            decision = Decision("extend", base=decision.base, new_from=decision.new_from,
-                                base_chain=decision.base_chain)
+        assert decision is not None
 
         model = shape.model(call.body)
         req = self._logical(ref, shape, model, view, decision, history, hashes, chains)
+        req.known, req.arrived = known, arrived
         try:
             plan, body = await self._plan(call, req, history)
         except StoreUnavailable as exc:
@@ -187,13 +220,38 @@ class Memory:
         }
         if self.metrics is not None:
             self.metrics.observe_tokens(plan.tokens_original, plan.tokens_forwarded, self._usd(model, saved))
-        log.debug("memory.plan", conversation=ref.conversation, action=decision.action, kind=plan.kind,
+        log.debug("memory.plan", conversation=ref.conversation, action=decision.action, kind=plan.kind, known=known,
                   ms=round((time.perf_counter() - started) * 1000, 3))
 
         def on_success(items: list[dict[str, Any]], usage: Usage) -> Awaitable[None]:
             return self._record(req, items, usage, replied=time.monotonic())  # the reply is relayed now
 
         return Prepared(body=body, headers=headers, on_success=on_success)
+
+    def _from_known(self, ref: ConvRef, shape: Shape, hashes: list[str],
+                    chains: list[str]) -> tuple[ConversationView | None, Decision | None]:
+        """The view this process knows, when the request simply goes on from it (views.py)."""
+        view = self.views.get(ref)
+        if view is None or view.dialect not in (None, shape.dialect):
+            return None, None
+        decision = reconcile(hashes, chains, view, self.settings.conversation.history)
+        if decision.action not in ("extend", "delta"):
+            return None, None  # a retry, an edit, a regenerate: decided on what the store holds now
+        return view, decision
+
+    async def _decide(self, ref: ConvRef, hashes: list[str], chains: list[str], view: ConversationView,
+                      arrived: float) -> Decision:
+        """Reconcile the request with a view just loaded (reading the stored chains when needed)."""
+        mode = self.settings.conversation.history
+        decision = reconcile(hashes, chains, view, mode)
+        if decision.action == "need_chains":
+            decision = reconcile(hashes, chains, view, mode, stored_chains=await self.store.chains(ref))
+        if decision.action == "branch" and self._siblings(ref, decision.base, view.length, arrived):
+            # Every turn after the divergence was stored by requests still unanswered when this one
+            # arrived: concurrent requests on one base, not an edit. Store the union (append after them).
+            decision = Decision("extend", base=decision.base, new_from=decision.new_from,
+                                base_chain=decision.base_chain)
+        return decision
 
     def _hash_history(self, ref: ConvRef, shape: Shape,
                       history: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
@@ -517,7 +575,7 @@ class Memory:
     async def _record(self, req: _Request, items: list[dict[str, Any]], usage: Usage,
                       replied: float = 0.0) -> None:
         """Store the new turns and the reply; queue a fold when enough turns aged out."""
-        shape, decision, view, ref = req.shape, req.decision, req.view, req.ref
+        shape, ref = req.shape, req.ref
         reply = [self._turn(shape, raw, content_hash(shape, raw), req.model) for raw in items]
         turns = [*req.new_turns, *reply]
         replied = replied or time.monotonic()
@@ -529,22 +587,32 @@ class Memory:
             stats |= {"tokens_original": plan.tokens_original, "tokens_forwarded": plan.tokens_forwarded,
                       "tokens_saved": plan.tokens_original - plan.tokens_forwarded - req.summarizer_charge,
                       "summarizer_tokens_charged": req.summarizer_charge}
+        # The view this record leaves, known before the store answers: the conversation's next
+        # request may arrive first (its client has the reply already).
+        expected = self._expect(req, turns, stats)
         self._storing.setdefault(conv, []).append(storing)
         try:
             try:
                 result = await self._store_turns(req, reply, turns, stats)
+                if result is not None and not result.ok and req.known:
+                    # Planned from a known view the store had moved on from (another replica wrote):
+                    # record as a request planned from a fresh load would have (stats are added already).
+                    req, turns, result = await self._record_again(req, reply)
+                    stats = {}
             finally:
                 pending = self._storing.get(conv, [])
                 if storing in pending:
                     pending.remove(storing)
                 if not pending:
                     self._storing.pop(conv, None)
+            decision, view = req.decision, req.view
             if result is not None and result.ok and result.appended:
                 start = result.start if result.start >= 0 else result.length - result.appended
                 branched = decision.action == "branch" or (decision.action == "prefix" and decision.base < view.length)
                 self._note_stored(ref, start, start + result.appended, replied, branched=branched)
-            if result is None:
+            if result is None and stats:
                 await self.store.add_stats(ref, **stats)
+            await self._settle_known(req, turns, result, expected)
             if result is not None and not result.ok:
                 log.info("memory.record_conflict", conversation=ref.conversation, reason=result.reason)
                 return
@@ -555,9 +623,75 @@ class Memory:
                 self.recall.truncate(_key(ref), decision.base)
             await self._maybe_fold(req, length, turns, urgent=bool(plan and plan.urgent_fold))
         except StoreUnavailable as exc:
+            self.views.drop(ref)
             if self.metrics is not None:
                 self.metrics.store_errors_total.inc()
             log.warning("memory.record_failed", conversation=ref.conversation, error=type(exc).__name__)
+
+    async def _record_again(self, req: _Request, reply: list[Turn]) -> tuple[_Request, list[Turn], AppendResult | None]:
+        """Decide and store the request's turns again, on what the store holds now."""
+        view = await self.store.load(req.ref, head=self.settings.memory.keep_initial)
+        decision = await self._decide(req.ref, req.hashes, req.chains, view, req.arrived)
+        again = self._logical(req.ref, req.shape, req.model, view, decision, req.incoming, req.hashes, req.chains)
+        again.plan, again.summarizer_charge, again.arrived = req.plan, req.summarizer_charge, req.arrived
+        turns = [*again.new_turns, *reply]
+        return again, turns, await self._store_turns(again, reply, turns, None)
+
+    def _expect(self, req: _Request, turns: list[Turn], stats: dict[str, int]) -> tuple[str, ConversationView] | None:
+        """Know the view this record will leave, before the store confirms it (views.py).
+
+        Only a record that appends right after a view this process holds can be known: the chain
+        the store must end with is computed here. Returns it, with the view the turns go after."""
+        decision, ref = req.decision, req.ref
+        if not self.views.live or not turns or decision.action not in ("new", "extend", "delta"):
+            self.views.drop(ref)
+            return None
+        base = self.views.get(ref)
+        if base is None or base.length != decision.base or (base.last_chain or "") != decision.base_chain:
+            base = req.view if req.view.length == decision.base else None
+        if base is None:
+            self.views.drop(ref)
+            return None
+        chained = chain_hashes([t.hash for t in turns], prev=decision.base_chain)
+        for t, c in zip(turns, chained, strict=True):
+            t.chain = c
+        self.views.put(ref, advance(base, turns, dialect=req.shape.dialect, last_chain=chained[-1],
+                                    keep_initial=self.settings.memory.keep_initial, stats=stats,
+                                    fold_pending=base.fold_pending))
+        return chained[-1], base
+
+    async def _settle_known(self, req: _Request, turns: list[Turn], result: AppendResult | None,
+                            expected: tuple[str, ConversationView] | None) -> None:
+        """Keep the view `_expect` put when the store holds exactly that; reload it in the background
+        of this record when a fold or an edit changed the summary or state meanwhile."""
+        if expected is None:
+            return
+        chain, base = expected
+        ref = req.ref
+        if result is None or not result.ok or result.appended != len(turns) or result.chain != chain:
+            self.views.drop(ref)  # the store holds something else: the next request loads
+            return
+        known = self.views.get(ref)
+        if known is None:
+            return
+        # What folds spent (charged against the next request's savings) and whether one is queued
+        # come with the answer: neither waits for a reload.
+        spent = {k: max(known.stats.get(k, 0), n) for k, n in result.summarizer.items()}
+        if known.length == base.length + len(turns) and (
+                known.fold_pending != result.fold_queued or any(known.stats.get(k) != n for k, n in spent.items())):
+            known = replace(known, fold_pending=result.fold_queued, stats=known.stats | spent)
+            self.views.put(ref, known)
+        # A fold of this process has been taken already (_committed); another process's has not.
+        if result.summary_version <= known.summary_version and result.state_version in (-1, known.state_version):
+            return
+        loaded = await self.store.load(ref, head=self.settings.memory.keep_initial)
+        known = self.views.get(ref)
+        if known is not None:
+            merged = rebase(known, loaded)
+            if merged is None:
+                self.views.drop(ref)
+            else:
+                self.views.put(ref, merged)
 
     async def _maybe_fold(self, req: _Request, length: int, turns: list[Turn], *, urgent: bool) -> None:
         mem = self.settings.memory
@@ -579,3 +713,6 @@ class Memory:
         if fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
                             aged_tokens=sum(t.tokens for t in aged), fold_tokens=mem.fold_tokens):
             await self.store.enqueue_fold(req.ref)
+            known = self.views.get(req.ref)
+            if known is not None:
+                self.views.put(req.ref, replace(known, fold_pending=True))

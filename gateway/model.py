@@ -60,6 +60,7 @@ class ConversationView:
     tokens_total: int  # sum of the stored messages' tokens
     stats: dict[str, int] = field(default_factory=dict)
     fold_pending: bool = False
+    summary_version: int = 0  # bumped by every fold commit, edit or drop, also while there is no summary
 
 
 @dataclass(slots=True)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import time
-from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Literal, cast
 
@@ -70,6 +71,8 @@ class _Guard:
 
 _guard = _Guard()
 
+Committed = Callable[[ConvRef, Summary | None, tuple[dict[str, Any], int] | None], None]
+
 
 @dataclass(slots=True)
 class AppendResult:
@@ -82,6 +85,7 @@ class AppendResult:
     summary_version: int = 0  # after the call, to tell whether a known view is current
     state_version: int = -1  # -1: not readable here (a project's state in another cluster slot)
     fold_queued: bool = False
+    summarizer: dict[str, int] = field(default_factory=dict)  # summarizer_tokens_in/out/charged stats
 
 
 # Every conversation script gets the conversation's keys in this order (keys.conversation_keys),
@@ -94,8 +98,8 @@ end
 
 # The optimistic check of append and branch: the history still has `chain` at position pos-1.
 # Both answer {ok, length, appended, reason, last chain, start, summary version, state version,
-# fold-queued flag}: the last three tell the caller whether what it knows of the conversation is
-# current (KEYS[sk] is the state hash when it lives in this slot, sk 0 when it does not).
+# fold-queued flag, summarizer stats}: the last four tell the caller whether what it knows of the
+# conversation is current (KEYS[sk] is the state hash when it lives in this slot, sk 0 when not).
 _BASE = """
 local function on_base(len, pos, chain)
   return pos <= len and (pos == 0 or redis.call('LINDEX', KEYS[3], pos - 1) == chain)
@@ -104,7 +108,8 @@ local function answer(ok, len, appended, reason, last, start, sk)
   local state = -1
   if sk > 0 then state = tonumber(redis.call('HGET', KEYS[sk], 'v')) or 0 end
   return {ok, len, appended, reason, last, start, tonumber(redis.call('HGET', KEYS[4], 'v')) or 0, state,
-          redis.call('HGET', KEYS[1], 'q') or ''}
+          redis.call('HGET', KEYS[1], 'q') or '',
+          redis.call('HMGET', KEYS[5], 'summarizer_tokens_in', 'summarizer_tokens_out', 'summarizer_tokens_charged')}
 end
 local function refused(len, sk)
   return answer(0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1, sk)
@@ -382,6 +387,8 @@ class Store:
         self.keys = keys
         self.ttl = ttl
         self.cluster = isinstance(client, RedisCluster)
+        self.embedded = False  # memory://: in this process, no other writer
+        self._on_commit: list[Committed] = []
         # EVALSHA by precomputed sha; the text is sent once per server (NOSCRIPT).
         self._load = _Script(client, _LOAD)
         self._append = _Script(client, _APPEND)
@@ -460,6 +467,7 @@ class Store:
             tokens_total=int(meta[3] or 0),
             stats={k.decode(): int(v) for k, v in zip(stats[::2], stats[1::2], strict=True)},
             fold_pending=_fresh_flag(meta[4]),
+            summary_version=int(summ[0] or 0),
         )
 
     def _write_keys(self, ref: ConvRef) -> tuple[list[str], int]:
@@ -522,6 +530,8 @@ class Store:
         args: list[Any] = [self.ttl, expect_version, summary.covers, summary.chain, summary.text, int(summary.tokens)]
         with _guard:
             res = await self._commit_fold(keys=self.keys.conversation_keys(ref), args=args)
+        if res:
+            self._committed(ref, replace(summary, version=int(res)), None)
         return bool(res)
 
     async def put_summary(self, ref: ConvRef, text: str, tokens: int) -> Summary:
@@ -555,7 +565,19 @@ class Store:
         args: list[Any] = [self.ttl, "" if expect_version is None else expect_version, orjson.dumps(ledger)]
         with _guard:
             res = await self._put_state(keys=[self.keys.project_state(ref)], args=args)
+        if res:
+            self._committed(ref, None, (ledger, int(res)))
         return bool(res)
+
+    def on_commit(self, callback: Committed) -> None:
+        """Call `callback(ref, summary, (ledger, version))` after a summary or a state ledger was
+        committed through this Store (one of them None): how this process's fold workers tell its
+        request path at once (gateway/views.py)."""
+        self._on_commit.append(callback)
+
+    def _committed(self, ref: ConvRef, summary: Summary | None, state: tuple[dict[str, Any], int] | None) -> None:
+        for callback in self._on_commit:
+            callback(ref, summary, state)
 
     # ---- stats -----------------------------------------------------------------------------
 
@@ -575,6 +597,59 @@ class Store:
         """Forget the conversation (a project's shared state stays)."""
         with _guard:
             await self.redis.delete(*self.keys.conversation_keys(ref), self.keys.fold_lock(ref))
+
+    # ---- changes -------------------------------------------------------------------------
+
+    async def announce(self, ref: ConvRef) -> None:
+        """Tell every replica that `ref` was edited or deleted (with a project: its shared state)."""
+        with _guard:
+            await self.redis.publish(self.keys.changes(), orjson.dumps([ref.tenant, ref.conversation, ref.project]))
+
+    async def watch(self, changed: Callable[[ConvRef], None], live: Callable[[bool], None]) -> None:
+        """Follow the change channel until cancelled: `changed(ref)` for every announcement,
+        `live(True)` once subscribed, `live(False)` as soon as the connection is lost (the store went
+        away), then subscribe again with backoff.
+
+        A connection of its own, read directly: redis-py's PubSub reconnects (and backs off) before it
+        reports a lost connection, and the loss is what callers must learn first."""
+        delay = 0.05
+        for attempt in itertools.count():
+            conn = self._watch_connection(attempt)
+            try:
+                await conn.connect()
+                await conn.send_command("SUBSCRIBE", self.keys.changes())
+                await conn.read_response(push_request=True)  # RESP3 (redis-py's default): pushes
+                live(True)
+                delay = 0.05
+                while True:
+                    message = await conn.read_response(push_request=True)
+                    if isinstance(message, list) and len(message) == 3 and message[0] == b"message":
+                        try:
+                            tenant, conversation, project = orjson.loads(message[2])
+                            changed(ConvRef(str(tenant), str(conversation), project))
+                        except (ValueError, TypeError):
+                            continue  # not ours
+            except (rex.ConnectionError, rex.TimeoutError, OSError):
+                live(False)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            finally:
+                await conn.disconnect()
+
+    def _watch_connection(self, attempt: int) -> Any:
+        """A new connection for `watch`: blocking reads (no socket timeout), TCP keepalive; on a
+        cluster, to the nodes in turn (a cluster delivers every PUBLISH to every node)."""
+        if isinstance(self.redis, RedisCluster):
+            nodes = self.redis.get_nodes() or list(self.redis.nodes_manager.startup_nodes.values())
+            node = nodes[attempt % len(nodes)]
+            cls, kwargs = node.connection_class, dict(node.connection_kwargs)
+        else:
+            pool = self.redis.connection_pool
+            cls, kwargs = pool.connection_class, dict(pool.connection_kwargs)
+        kwargs["socket_timeout"] = None
+        if "host" in kwargs:  # TCP (a unix socket has no keepalive)
+            kwargs["socket_keepalive"] = True
+        return cls(**kwargs)
 
     # ---- fold queue ------------------------------------------------------------------------
 
@@ -610,10 +685,14 @@ class Store:
 
 
 def _result(res: list[Any]) -> AppendResult:
-    ok, length, appended, reason, chain, start, summary_version, state_version, queued = res
+    ok, length, appended, reason, chain, start, summary_version, state_version, queued, spent = res
     return AppendResult(ok=bool(ok), length=int(length), appended=int(appended), reason=_text(reason),
                         chain=_text(chain), start=int(start), summary_version=int(summary_version),
-                        state_version=int(state_version), fold_queued=_fresh_flag(queued))
+                        state_version=int(state_version), fold_queued=_fresh_flag(queued),
+                        summarizer={name: int(n or 0) for name, n in zip(_SUMMARIZER_STATS, spent, strict=True)})
+
+
+_SUMMARIZER_STATS = ("summarizer_tokens_in", "summarizer_tokens_out", "summarizer_tokens_charged")
 
 
 def _text(value: bytes | str | None) -> str:
@@ -686,4 +765,6 @@ async def open_store(settings: StoreSettings) -> Store:
         client = RedisCluster(startup_nodes=nodes, retry=Retry(_BACKOFF, 3), **creds, **options)
     else:
         client = aioredis.Redis.from_url(url, retry=Retry(_BACKOFF, 1), **options)
-    return Store(client, Keys(settings.key_prefix), ttl=settings.ttl_seconds)
+    store = Store(client, Keys(settings.key_prefix), ttl=settings.ttl_seconds)
+    store.embedded = url.startswith("memory://")
+    return store

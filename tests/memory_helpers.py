@@ -3,6 +3,7 @@ front of a fake upstream, the official SDK clients, and the conversation API."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from gateway import worker
-from gateway.app import create_app, drain_background
+from gateway.app import HOOK, create_app, drain_background
 from gateway.testing import FakeUpstream, Received, serve_app
 from gateway.tokens import TokenCounter
 
@@ -59,6 +60,16 @@ class Gateway:
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()
+
+    async def views_live(self) -> None:
+        """Wait until the memory layer follows the store's change channel (it plans warm conversations
+        from what it knows only then)."""
+        hook = self.app[HOOK]
+        for _ in range(200):
+            if hook.views.live:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the memory layer never subscribed to the store's change channel")
 
     async def settle(self) -> None:
         """Every recording finished, then every queued fold done."""

@@ -6,13 +6,15 @@ from typing import Any
 
 from memory_helpers import KEY, memory_gateway, openai_turn, user_text
 
-from gateway.app import STORE
+from gateway.app import HOOK, STORE
 from gateway.auth import tenant_for
 from gateway.keys import ConvRef
 
 
 async def test_saved_tokens_are_net_of_summarizer_cost(redis_url: str) -> None:
-    """Summarizer tokens spent on a conversation are deducted once from the next request's savings."""
+    """Summarizer tokens spent on a conversation are deducted once from the savings of the requests that
+    follow (from the first one planned knowing of them: a warm conversation learns of them with its next
+    record), and never again."""
     async with memory_gateway(redis_url) as g:
         client = g.openai()
         history: list[dict[str, Any]] = []
@@ -30,15 +32,12 @@ async def test_saved_tokens_are_net_of_summarizer_cost(redis_url: str) -> None:
         ref = ConvRef(tenant_for(KEY), "acct")
         await store.add_stats(ref, summarizer_tokens_in=120, summarizer_tokens_out=30)
 
-        first = await turn(user_text(10))
-        second = await turn(user_text(11))
-
-        for h in (first, second):
-            assert h["x-gateway-context"] == "rewritten"
-        gross1 = int(first["x-gateway-tokens-original"]) - int(first["x-gateway-tokens-forwarded"])
-        gross2 = int(second["x-gateway-tokens-original"]) - int(second["x-gateway-tokens-forwarded"])
-        assert int(first["x-gateway-tokens-saved"]) == gross1 - 150
-        assert int(second["x-gateway-tokens-saved"]) == gross2  # charged once, not again
+        after = [await turn(user_text(10 + i)) for i in range(3)]
+        assert all(h["x-gateway-context"] == "rewritten" for h in after)
+        gross = [int(h["x-gateway-tokens-original"]) - int(h["x-gateway-tokens-forwarded"]) for h in after]
+        saved = [int(h["x-gateway-tokens-saved"]) for h in after]
+        assert sum(gross) - sum(saved) == 150
+        assert [g - s for g, s in zip(gross, saved, strict=True)] in ([150, 0, 0], [0, 150, 0])
         stats = await store.stats(ref)
         assert stats["summarizer_tokens_charged"] == 150
 
@@ -59,12 +58,14 @@ async def test_long_turns_fold_by_tokens_before_the_message_batch(redis_url: str
         assert info["summary"] is not None and info["summary"]["covers"] >= 4
 
 
-async def test_a_turn_costs_one_script_call_to_load_and_one_to_record(redis_url: str,
-                                                                       monkeypatch: Any) -> None:
-    """A turn that queues no fold sends the store one EVALSHA to load and one to record (turns and stats together)."""
+async def test_a_warm_turn_costs_one_script_call_and_a_cold_one_two(redis_url: str, monkeypatch: Any) -> None:
+    """A turn of a conversation this gateway has been serving sends the store one EVALSHA: the record
+    (turns and stats together), its plan made from what the last record left. A conversation it does
+    not know (as after a restart) costs one more, to load."""
     async with memory_gateway(redis_url, memory={"fold_batch": 100, "fold_tokens": 100_000}) as g:
         client = g.openai()
         history: list[dict[str, Any]] = []
+        await g.views_live()
         for i in range(3):
             history.append({"role": "user", "content": user_text(i)})
             _, reply = await openai_turn(g, client, "one-call", history)
@@ -84,7 +85,14 @@ async def test_a_turn_costs_one_script_call_to_load_and_one_to_record(redis_url:
         monkeypatch.setattr(redis, "execute_command", spy)
         monkeypatch.setattr(redis, "pipeline", no_pipeline)
         history.append({"role": "user", "content": user_text(3)})
-        await openai_turn(g, client, "one-call", history)  # returns once the recording is done
+        _, reply = await openai_turn(g, client, "one-call", history)  # returns once the recording is done
+        history.append({"role": "assistant", "content": reply})
+        assert sent == ["EVALSHA"]
+
+        sent.clear()
+        g.app[HOOK].views.clear()
+        history.append({"role": "user", "content": user_text(4)})
+        await openai_turn(g, client, "one-call", history)
         assert sent == ["EVALSHA", "EVALSHA"]
         stats = await g.app[STORE].stats(ConvRef(tenant_for(KEY), "one-call"))
-        assert stats["requests"] == 4
+        assert stats["requests"] == 5

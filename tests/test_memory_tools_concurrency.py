@@ -157,6 +157,9 @@ async def test_concurrent_requests_store_the_union(gw: Gateway, dialect: str) ->
         history.append({"role": "assistant", "content": text})
         await gw.settle()
     news = [{"role": "user", "content": f"Parallel question number {k}: what about shard {k}?"} for k in range(50)]
+    # In flight together, as against a real provider: none is answered before the last one arrives
+    # (an answered turn followed by a request without it is an edit, and branches).
+    gw.fake.latency = 0.3
     results = await asyncio.gather(*(chat.send([*history, new], stream=k % 2 == 0) for k, new in enumerate(news)))
     assert {h["x-gateway-context"] for h, _ in results} == {"rewritten"}
     for request in gw.fake.requests[-50:]:  # each forwarded request carries its own question only

@@ -1,0 +1,145 @@
+"""What a replica knows of a conversation between requests (gateway/views.py) never makes it store or
+send the wrong thing: several replicas on one Redis, edits, deletes and folds from elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from typing import Any
+
+from memory_helpers import KEY, Chat, Gateway, memory_gateway, plain, reply_text, user_text
+
+from gateway.app import HOOK, SETTINGS, STORE
+from gateway.auth import tenant_for
+from gateway.keys import ConvRef
+from gateway.store import open_store
+from gateway.summarizer import ExtractiveSummarizer
+from gateway.worker import FoldWorker
+from tests.memory_helpers import COUNTER
+
+
+async def _replicas(stack: AsyncExitStack, redis_url: str, n: int, **memory: Any) -> list[Gateway]:
+    gateways = [await stack.enter_async_context(memory_gateway(redis_url, memory=memory)) for _ in range(n)]
+    for g in gateways:
+        g.fake.responder = reply_text
+        await g.views_live()
+    return gateways
+
+
+async def _settle(*gateways: Gateway) -> None:
+    for g in gateways:
+        await g.settle()
+
+
+async def _known(g: Gateway, conv: str, present: bool) -> None:
+    """Wait until replica `g` knows (or no longer knows) the conversation."""
+    ref = ConvRef(tenant_for(KEY), conv)
+    for _ in range(200):
+        if (g.app[HOOK].views.get(ref) is not None) == present:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"replica still {'does not know' if present else 'knows'} {conv}")
+
+
+async def test_replicas_taking_turns_store_every_turn_once(redis_url: str) -> None:
+    """A conversation whose requests alternate between two replicas, each planning from what it last
+    knew (behind the store by the other's turn), stores exactly the client's history after every turn,
+    and every forwarded request ends with its newest turn."""
+    async with AsyncExitStack() as stack:
+        a, b = await _replicas(stack, redis_url, 2)
+        msgs: list[dict[str, Any]] = []
+        for i in range(16):
+            g = (a, b)[i % 2]
+            chat = Chat(g, "openai", "alternating")
+            msgs.append({"role": "user", "content": user_text(i)})
+            headers, text = await chat.send(msgs, stream=i % 3 == 0)
+            assert plain(chat.forwarded())[-1] == msgs[-1]
+            msgs.append({"role": "assistant", "content": text})
+            await _settle(a, b)
+            assert plain(await chat.stored()) == msgs, f"after turn {i}"
+        assert headers["x-gateway-context"] == "rewritten"
+
+
+async def test_back_to_back_requests_of_one_client_store_no_duplicates(redis_url: str) -> None:
+    """A client that sends its next request while the gateway is still recording its previous turn
+    (planned from the view that record is about to leave) gets every turn stored once."""
+    async with memory_gateway(redis_url) as g:
+        g.fake.responder = reply_text
+        await g.views_live()
+        client, msgs = g.openai(), [{"role": "system", "content": "Be brief."}]
+        for i in range(12):
+            msgs.append({"role": "user", "content": user_text(i)})
+            # No waiting for the recording between turns: the SDK call returns with the reply.
+            raw = await client.chat.completions.with_raw_response.create(
+                model="gpt-test", messages=msgs, extra_headers={"X-Conversation-Id": "hasty"})
+            msgs.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+        await g.settle()
+        assert await g.messages("hasty") == msgs[1:]
+
+
+async def test_edits_and_deletes_reach_the_other_replicas(redis_url: str) -> None:
+    """A summary or state edit, or a delete, made through one replica's API is what another replica's
+    next request of that conversation uses: it stops planning from what it knew."""
+    async with AsyncExitStack() as stack:
+        a, b = await _replicas(stack, redis_url, 2)
+        msgs: list[dict[str, Any]] = []
+        for i in range(8):
+            chat_b = Chat(b, "openai", "edited")
+            msgs.append({"role": "user", "content": user_text(i)})
+            _, text = await chat_b.send(msgs)
+            msgs.append({"role": "assistant", "content": text})
+            await _settle(a, b)
+        await _known(b, "edited", True)
+
+        assert (await a.api("PUT", "edited/summary", json={"text": "The team chose Redis Cluster."}))[0] == 200
+        await _known(b, "edited", False)
+        msgs.append({"role": "user", "content": user_text(8)})
+        headers, text = await chat_b.send(msgs)
+        msgs.append({"role": "assistant", "content": text})
+        assert headers["x-gateway-context"] == "rewritten"
+        assert "The team chose Redis Cluster." in chat_b.injected()
+
+        await _known(b, "edited", True)
+        assert (await a.api("PUT", "edited/state", json={"constraints": ["Never log credentials"]}))[0] == 200
+        await _known(b, "edited", False)
+        msgs.append({"role": "user", "content": user_text(9)})
+        _, text = await chat_b.send(msgs)
+        msgs.append({"role": "assistant", "content": text})
+        assert "Never log credentials" in chat_b.injected()
+
+        await _known(b, "edited", True)
+        assert (await a.api("DELETE", "edited"))[0] == 200
+        await _known(b, "edited", False)
+        msgs.append({"role": "user", "content": user_text(10)})
+        headers, _ = await chat_b.send(msgs)
+        assert "The team chose Redis Cluster." not in chat_b.injected()
+        assert "Never log credentials" not in chat_b.injected()
+
+
+async def test_a_fold_from_another_process_reaches_the_next_requests(redis_url: str) -> None:
+    """A summary committed by a fold worker in another process is used from the first or second
+    request after it (the first one's record learns of it), never later."""
+    async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
+        g.fake.responder = reply_text
+        await g.views_live()
+        chat, msgs = Chat(g, "openai", "far-fold"), []
+        for i in range(8):
+            msgs.append({"role": "user", "content": user_text(i)})
+            _, text = await chat.send(msgs)
+            msgs.append({"role": "assistant", "content": text})
+        elsewhere = await open_store(g.app[SETTINGS].store)  # another process's own connections
+        try:
+            worker = FoldWorker(elsewhere, g.app[SETTINGS], ExtractiveSummarizer(COUNTER.count))
+            await worker.run(burst=True)
+        finally:
+            await elsewhere.close()
+        summary, _, _ = await g.app[STORE].get_summary(ConvRef(tenant_for(KEY), "far-fold"))
+        assert summary is not None
+        seen = []
+        for i in range(8, 10):
+            msgs.append({"role": "user", "content": user_text(i)})
+            _, text = await chat.send(msgs)
+            msgs.append({"role": "assistant", "content": text})
+            seen.append(summary.text[:80] in chat.injected())
+        assert seen[-1]
+        assert plain(await chat.stored()) == msgs
