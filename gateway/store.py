@@ -34,6 +34,7 @@ import redis.exceptions as rex
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.connection import HiredisRespSerializer
 
 from gateway.config import StoreSettings
 from gateway.keys import ConvRef, Keys
@@ -732,6 +733,22 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
 _BACKOFF = ExponentialWithJitterBackoff(base=0.01, cap=0.2)
 
 
+class _HiredisPacking:
+    """Commands packed by hiredis: redis-py's asyncio connections pack them in Python (its
+    synchronous ones use hiredis), ~24 us against ~9 us for a turn's append here. Same bytes."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return cast(list[bytes], self._packer.pack(*args))
+
+
+_PACKED: dict[type, type] = {
+    cls: type(cls.__name__, (_HiredisPacking, cls), {})
+    for cls in (aioredis.Connection, aioredis.SSLConnection, aioredis.UnixDomainSocketConnection)
+}
+
+
 def _sha1hex(data: bytes) -> bytes:
     return hashlib.sha1(data).hexdigest().encode()
 
@@ -765,6 +782,8 @@ async def open_store(settings: StoreSettings) -> Store:
         client = RedisCluster(startup_nodes=nodes, retry=Retry(_BACKOFF, 3), **creds, **options)
     else:
         client = aioredis.Redis.from_url(url, retry=Retry(_BACKOFF, 1), **options)
+        pool = client.connection_pool
+        pool.connection_class = _PACKED.get(pool.connection_class, pool.connection_class)
     store = Store(client, Keys(settings.key_prefix), ttl=settings.ttl_seconds)
     store.embedded = url.startswith("memory://")
     return store

@@ -611,6 +611,24 @@ async def test_ping(store: Store) -> None:
     assert await store.ping()
 
 
+async def test_commands_are_packed_by_hiredis_into_the_same_bytes(redis_url: str) -> None:
+    """The store's connections pack commands with hiredis, byte for byte what redis-py's own packer
+    writes (a turn's append: keys, numbers, text, JSON records)."""
+    from redis.asyncio.connection import Connection
+
+    store = await open_store(StoreSettings(url=redis_url))
+    try:
+        conn = store.redis.connection_pool.make_connection()
+        assert conn.pack_command.__qualname__.startswith("_HiredisPacking")
+        args = ("EVALSHA", "a" * 40, 6, *[f"gw:{{t:c}}:{p}" for p in ("meta", "msgs")], 0, 10, "\u00e9t\u00e9",
+                -3, b'{"k":12,"x":"caf\xc3\xa9"}', "SET", "CONFIG GET")
+        assert b"".join(conn.pack_command(*args)) == b"".join(Connection().pack_command(*args))
+        assert b"".join(conn.pack_command("CONFIG GET", "maxmemory")) == b"".join(
+            Connection().pack_command("CONFIG GET", "maxmemory"))
+    finally:
+        await store.close()
+
+
 def test_cluster_url_parsing() -> None:
     """redis+cluster:// URLs give every startup node, and credentials when present."""
     nodes, creds = _cluster_nodes("redis+cluster://u:pw@h1:7000,h2:7001")
