@@ -88,7 +88,7 @@ class ConversationAPI:
         hook = self.app[self._hook_key]
         if hook is not None and hasattr(hook, "changed"):
             hook.changed(ref)
-        await self._guard(self.store.announce(ref))
+        await self._guard(self.store.announce(ref, "edited"))
 
     # -- routes -------------------------------------------------------------------------------
 

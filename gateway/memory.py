@@ -7,6 +7,7 @@ here blocks on a summarizer: folds are queued and done by the workers.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
@@ -110,6 +111,7 @@ class Memory:
         self._cache_size = 256  # conversations each in-process cache keeps
         # The embedded store has no other writer: what this process knows of it is always current.
         self.views = KnownViews(self._cache_size, live=store.embedded)
+        self._refreshing: dict[tuple[str, str], asyncio.Task[None]] = {}  # reloads after a fold elsewhere
         store.on_commit(self._committed)
         # What each conversation's last request carried, for the prompt-cache cost model.
         self._forwarded: OrderedDict[tuple[str, str], cost.Forwarded] = OrderedDict()
@@ -128,9 +130,34 @@ class Memory:
         for cache in (self._forwarded, self._stored_runs, self._storing):
             cache.pop(conv, None)
 
-    def changed(self, ref: ConvRef) -> None:
-        """`ref` was edited or deleted, here or on another replica: its next request loads (views.py)."""
-        self.views.drop(ref)
+    def changed(self, ref: ConvRef, kind: str = "edited") -> None:
+        """`ref` was edited or deleted ("edited"), here or on another replica: its next request loads.
+        Another process folded it ("folded"): what this process knows of it is reloaded now, in the
+        background, rather than after its next request (views.py)."""
+        if kind != "folded":
+            self.views.drop(ref)
+            return
+        key = _key(ref)
+        if key in self._refreshing or self.views.get(ref) is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._refresh(ref))
+        self._refreshing[key] = task
+        task.add_done_callback(lambda _: self._refreshing.pop(key, None))
+
+    async def _refresh(self, ref: ConvRef) -> None:
+        """Reload the conversation and merge the summary, state and counters into its known view."""
+        try:
+            loaded = await self.store.load(ref, head=self.settings.memory.keep_initial)
+        except StoreUnavailable:
+            self.views.drop(ref)
+            return
+        known = self.views.get(ref)
+        if known is not None:
+            merged = rebase(known, loaded)
+            if merged is None:
+                self.views.drop(ref)
+            else:
+                self.views.put(ref, merged)
 
     def _committed(self, ref: ConvRef, summary: Summary | None, state: tuple[dict[str, Any], int] | None) -> None:
         """A fold worker of this process committed a summary or a state ledger: known views take it now."""
@@ -159,7 +186,11 @@ class Memory:
                 log.info("memory.changes_followed") if up else log.warning("memory.changes_lost")
             self.views.set_live(up)
 
-        await self.store.watch(self.changed, live)
+        try:
+            await self.store.watch(self.changed, live)
+        finally:
+            for task in list(self._refreshing.values()):
+                task.cancel()
 
     # -- identify ---------------------------------------------------------------------------
 
@@ -682,16 +713,8 @@ class Memory:
             known = replace(known, fold_pending=result.fold_queued, stats=known.stats | spent)
             self.views.put(ref, known)
         # A fold of this process has been taken already (_committed); another process's has not.
-        if result.summary_version <= known.summary_version and result.state_version in (-1, known.state_version):
-            return
-        loaded = await self.store.load(ref, head=self.settings.memory.keep_initial)
-        known = self.views.get(ref)
-        if known is not None:
-            merged = rebase(known, loaded)
-            if merged is None:
-                self.views.drop(ref)
-            else:
-                self.views.put(ref, merged)
+        if result.summary_version > known.summary_version or result.state_version not in (-1, known.state_version):
+            await self._refresh(ref)
 
     async def _maybe_fold(self, req: _Request, length: int, turns: list[Turn], *, urgent: bool) -> None:
         mem = self.settings.memory

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -389,6 +390,7 @@ class Store:
         self.ttl = ttl
         self.cluster = isinstance(client, RedisCluster)
         self.embedded = False  # memory://: in this process, no other writer
+        self.origin = os.urandom(6).hex()  # this process, in its announcements (see watch)
         self._on_commit: list[Committed] = []
         # EVALSHA by precomputed sha; the text is sent once per server (NOSCRIPT).
         self._load = _Script(client, _LOAD)
@@ -601,15 +603,17 @@ class Store:
 
     # ---- changes -------------------------------------------------------------------------
 
-    async def announce(self, ref: ConvRef) -> None:
-        """Tell every replica that `ref` was edited or deleted (with a project: its shared state)."""
+    async def announce(self, ref: ConvRef, kind: str = "edited") -> None:
+        """Tell every replica that `ref` was edited or deleted ("edited"; with a project: its shared
+        state), or that a fold committed a new summary for it ("folded")."""
+        message = orjson.dumps([ref.tenant, ref.conversation, ref.project, kind, self.origin])
         with _guard:
-            await self.redis.publish(self.keys.changes(), orjson.dumps([ref.tenant, ref.conversation, ref.project]))
+            await self.redis.publish(self.keys.changes(), message)
 
-    async def watch(self, changed: Callable[[ConvRef], None], live: Callable[[bool], None]) -> None:
-        """Follow the change channel until cancelled: `changed(ref)` for every announcement,
-        `live(True)` once subscribed, `live(False)` as soon as the connection is lost (the store went
-        away), then subscribe again with backoff.
+    async def watch(self, changed: Callable[[ConvRef, str], None], live: Callable[[bool], None]) -> None:
+        """Follow the change channel until cancelled: `changed(ref, kind)` for every announcement
+        made by another process, `live(True)` once subscribed, `live(False)` as soon as the
+        connection is lost (the store went away), then subscribe again with backoff.
 
         A connection of its own, read directly: redis-py's PubSub reconnects (and backs off) before it
         reports a lost connection, and the loss is what callers must learn first."""
@@ -626,10 +630,11 @@ class Store:
                     message = await conn.read_response(push_request=True)
                     if isinstance(message, list) and len(message) == 3 and message[0] == b"message":
                         try:
-                            tenant, conversation, project = orjson.loads(message[2])
-                            changed(ConvRef(str(tenant), str(conversation), project))
+                            tenant, conversation, project, kind, origin = orjson.loads(message[2])
                         except (ValueError, TypeError):
                             continue  # not ours
+                        if origin != self.origin:
+                            changed(ConvRef(str(tenant), str(conversation), project), str(kind))
             except (rex.ConnectionError, rex.TimeoutError, OSError):
                 live(False)
                 await asyncio.sleep(delay)

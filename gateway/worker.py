@@ -40,6 +40,7 @@ from gateway.config import Settings
 from gateway.keys import ConvRef, Keys
 from gateway.logs import get_logger
 from gateway.model import Summary
+from gateway.store import StoreUnavailable
 
 log = get_logger("gateway.worker")
 
@@ -417,6 +418,9 @@ class FoldWorker:
         await self._spent(ref, tokens_in + s_in, tokens_out + s_out, folds=1)
         log.info("fold.ok", conversation=ref.conversation, covers=target, summary_tokens=summary.tokens,
                  summarizer=self.summarizer.name)
+        # Replicas planning this conversation from what they know reload it now, not a request late.
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.announce(ref, "folded")
         return "ok"
 
     def _fold_local(self, text: str, aged: list[Any], covers: int, state_key: str, state_data: dict[str, Any] | None,

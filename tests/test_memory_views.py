@@ -116,30 +116,64 @@ async def test_edits_and_deletes_reach_the_other_replicas(redis_url: str) -> Non
         assert "Never log credentials" not in chat_b.injected()
 
 
-async def test_a_fold_from_another_process_reaches_the_next_requests(redis_url: str) -> None:
-    """A summary committed by a fold worker in another process is used from the first or second
-    request after it (the first one's record learns of it), never later."""
+async def _fold_elsewhere(g: Gateway, *, announce: bool) -> str:
+    """Fold every queued conversation from another process's store connection; the summary text."""
+    elsewhere = await open_store(g.app[SETTINGS].store)  # another process: its own connections and origin
+    try:
+        if not announce:
+            async def silent(ref: ConvRef, kind: str = "edited") -> None:
+                return None
+
+            elsewhere.announce = silent  # type: ignore[method-assign]
+        await FoldWorker(elsewhere, g.app[SETTINGS], ExtractiveSummarizer(COUNTER.count)).run(burst=True)
+    finally:
+        await elsewhere.close()
+    summary, _, _ = await g.app[STORE].get_summary(ConvRef(tenant_for(KEY), "far-fold"))
+    assert summary is not None
+    return summary.text
+
+
+async def _talk(chat: Chat, msgs: list[dict[str, Any]], turns: range) -> None:
+    for i in turns:
+        msgs.append({"role": "user", "content": user_text(i)})
+        _, text = await chat.send(msgs)
+        msgs.append({"role": "assistant", "content": text})
+
+
+async def test_a_fold_from_another_process_is_announced_to_the_replicas(redis_url: str) -> None:
+    """A fold worker in another process announces its summary: a replica that knows the conversation
+    reloads it at once, so its very next request carries the new summary."""
     async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
         g.fake.responder = reply_text
         await g.views_live()
         chat, msgs = Chat(g, "openai", "far-fold"), []
-        for i in range(8):
-            msgs.append({"role": "user", "content": user_text(i)})
-            _, text = await chat.send(msgs)
-            msgs.append({"role": "assistant", "content": text})
-        elsewhere = await open_store(g.app[SETTINGS].store)  # another process's own connections
-        try:
-            worker = FoldWorker(elsewhere, g.app[SETTINGS], ExtractiveSummarizer(COUNTER.count))
-            await worker.run(burst=True)
-        finally:
-            await elsewhere.close()
-        summary, _, _ = await g.app[STORE].get_summary(ConvRef(tenant_for(KEY), "far-fold"))
-        assert summary is not None
+        await _talk(chat, msgs, range(8))
+        text = await _fold_elsewhere(g, announce=True)
+        ref = ConvRef(tenant_for(KEY), "far-fold")
+        for _ in range(200):
+            view = g.app[HOOK].views.get(ref)
+            if view is not None and view.summary is not None and view.summary.text == text:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the replica never took the announced summary")
+        await _talk(chat, msgs, range(8, 9))
+        assert text[:80] in chat.injected()
+        assert plain(await chat.stored()) == msgs
+
+
+async def test_an_unannounced_fold_reaches_the_second_request_at_the_latest(redis_url: str) -> None:
+    """Without the announcement (lost), the first request's record learns of the new summary version
+    and reloads: the request after it carries the summary, never a later one."""
+    async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
+        g.fake.responder = reply_text
+        await g.views_live()
+        chat, msgs = Chat(g, "openai", "far-fold"), []
+        await _talk(chat, msgs, range(8))
+        text = await _fold_elsewhere(g, announce=False)
         seen = []
         for i in range(8, 10):
-            msgs.append({"role": "user", "content": user_text(i)})
-            _, text = await chat.send(msgs)
-            msgs.append({"role": "assistant", "content": text})
-            seen.append(summary.text[:80] in chat.injected())
-        assert seen[-1]
+            await _talk(chat, msgs, range(i, i + 1))
+            seen.append(text[:80] in chat.injected())
+        assert seen == [False, True]
         assert plain(await chat.stored()) == msgs
