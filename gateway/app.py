@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from functools import partial
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -22,14 +22,20 @@ from gateway.metrics import Metrics
 from gateway.proxy import RECORD, GatewayError, MemoryHook, Proxy, Record
 from gateway.transport import HTTPClient
 
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger as BoundLogger
+
+    from gateway.store import Store
+
 SETTINGS = web.AppKey("settings", Settings)
-STORE = web.AppKey("store", Any)  # gateway.store.Store, or None: no store, pass-through only
-HOOK = web.AppKey("hook", Any)  # MemoryHook | None
+# The store (None: no store, pass-through only); typed here only, so a plain proxy never imports it.
+STORE: web.AppKey[Store | None] = web.AppKey("store")
+HOOK: web.AppKey[MemoryHook | None] = web.AppKey("hook")
 METRICS = web.AppKey("metrics", Metrics)
-HTTP = web.AppKey("http", Any)  # gateway.transport.HTTPClient towards the upstreams, open while the app runs
-BACKGROUND = web.AppKey("background", set)  # set[asyncio.Task[None]]: work that must not delay a reply
+HTTP: web.AppKey[HTTPClient | None] = web.AppKey("http")  # towards the upstreams, open while the app runs
+BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background")  # work that must not delay a reply
 PROXY = web.AppKey("proxy", Proxy)
-LOG = web.AppKey("log", Any)
+LOG: web.AppKey[BoundLogger] = web.AppKey("log")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -51,8 +57,9 @@ def spawn(app: web.Application, coro: Coroutine[Any, Any, None]) -> asyncio.Task
 
 async def drain_background(app: web.Application) -> None:
     """Wait until every background task (including ones spawned meanwhile) has finished."""
-    while app[BACKGROUND]:
-        await asyncio.gather(*list(app[BACKGROUND]), return_exceptions=True)
+    tasks = app[BACKGROUND]
+    while tasks:
+        await asyncio.gather(*list(tasks), return_exceptions=True)
 
 
 def _error_response(request: web.Request, status: int, message: str,
@@ -178,7 +185,8 @@ async def _upstream_client(app: web.Application) -> AsyncIterator[None]:
         # Background work (recording turns) may still be running: let it finish first.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(drain_background(app), timeout=30)
-        for task in list(app[BACKGROUND]):
+        tasks = app[BACKGROUND]
+        for task in list(tasks):
             task.cancel()
         await client.close()
 
@@ -193,10 +201,10 @@ async def _memory_layer(app: web.Application) -> AsyncIterator[None]:
     from gateway.worker import start_workers
 
     settings = app[SETTINGS]
-    owned = app[STORE] is None
-    if owned:
-        app[STORE] = await open_store(settings.store)
     store = app[STORE]
+    owned = store is None
+    if store is None:
+        store = app[STORE] = await open_store(settings.store)
     counter = TokenCounter(settings.models)
     counter.count("warm up", settings.memory.summarizer.model)  # load the encoding now, not on a request
     hook = Memory(settings, store, counter, metrics=app[METRICS])

@@ -14,7 +14,7 @@ import asyncio
 import atexit
 import logging
 import sys
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TextIO, cast
 
 import orjson
 import structlog
@@ -80,12 +80,12 @@ def configure(fmt: LogFormat = "json", level: str = "info", stream: IO[Any] | No
     if fmt == "json":
         processors = [*shared, structlog.processors.format_exc_info,
                       structlog.processors.JSONRenderer(serializer=_orjson_dumps)]
-        out = stream if stream is not None else sys.stdout
+        out: Any = stream if stream is not None else sys.stdout
         shared_logger = BatchedBytesLogger(getattr(out, "buffer", out))
         factory = lambda *args: shared_logger  # noqa: E731
     else:
         processors = [*shared, structlog.dev.ConsoleRenderer(colors=stream is None and sys.stdout.isatty())]
-        factory = structlog.PrintLoggerFactory(stream if stream is not None else sys.stdout)
+        factory = structlog.PrintLoggerFactory(cast(TextIO, stream) if stream is not None else sys.stdout)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),

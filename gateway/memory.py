@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from hashlib import blake2b
@@ -254,7 +254,7 @@ class Memory:
         log.debug("memory.plan", conversation=ref.conversation, action=decision.action, kind=plan.kind, known=known,
                   ms=round((time.perf_counter() - started) * 1000, 3))
 
-        def on_success(items: list[dict[str, Any]], usage: Usage) -> Awaitable[None]:
+        def on_success(items: list[dict[str, Any]], usage: Usage) -> Coroutine[Any, Any, None]:
             return self._record(req, items, usage, replied=time.monotonic())  # the reply is relayed now
 
         return Prepared(body=body, headers=headers, on_success=on_success)
@@ -572,7 +572,7 @@ class Memory:
         _bounded_put(self._stored_runs, key, runs[-64:], self._cache_size)
 
     async def _store_turns(self, req: _Request, reply: list[Turn], turns: list[Turn],
-                           stats: dict[str, int]) -> AppendResult | None:
+                           stats: dict[str, int] | None) -> AppendResult | None:
         """Append / branch as the decision says, adding `stats` in the same call; None when there is
         nothing to store (the caller adds the stats then)."""
         shape, decision, view, ref = req.shape, req.decision, req.view, req.ref

@@ -10,7 +10,7 @@ Errors raised here are `GatewayError`s; `app.py` renders them once, in the calle
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Protocol
@@ -46,7 +46,7 @@ class Call:
 class Prepared:
     body: bytes | None  # None: forward the client's original bytes
     headers: dict[str, str]  # added to the response (x-gateway-context, x-gateway-tokens-*)
-    on_success: Callable[[list[dict[str, Any]], Usage], Awaitable[None]] | None = None
+    on_success: Callable[[list[dict[str, Any]], Usage], Coroutine[Any, Any, None]] | None = None
 
 
 class MemoryHook(Protocol):
@@ -111,7 +111,7 @@ class Proxy:
     """Per-app forwarding state; `handle` is the aiohttp handler of every proxied route."""
 
     def __init__(self, settings: Settings, metrics: Metrics, hook: MemoryHook | None,
-                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
         self.settings = settings
         self.metrics = metrics
         self.hook = hook

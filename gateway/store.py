@@ -651,7 +651,7 @@ class Store:
             cls, kwargs = node.connection_class, dict(node.connection_kwargs)
         else:
             pool = self.redis.connection_pool
-            cls, kwargs = pool.connection_class, dict(pool.connection_kwargs)
+            cls, kwargs = cast(Any, pool.connection_class), dict(pool.connection_kwargs)
         kwargs["socket_timeout"] = None
         if "host" in kwargs:  # TCP (a unix socket has no keepalive)
             kwargs["socket_keepalive"] = True

@@ -229,10 +229,10 @@ class FakeUpstream:
         usage = {"prompt_tokens": _tokens(n_in), "completion_tokens": _tokens(len(text)),
                  "total_tokens": _tokens(n_in) + _tokens(len(text)),
                  "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
-        tool_calls = [{"id": c.id, "type": "function",
+        tool_calls: list[dict[str, Any]] = [{"id": c.id, "type": "function",
                        "function": {"name": c.name, "arguments": orjson.dumps(c.arguments).decode()}} for c in calls]
         finish = "tool_calls" if calls else "stop"
-        base = {"id": f"chatcmpl-fake{next(_ids)}", "created": int(time.time()), "model": model,
+        base: dict[str, Any] = {"id": f"chatcmpl-fake{next(_ids)}", "created": int(time.time()), "model": model,
                 "system_fingerprint": "fp_fake"}
         if body.get("stream") is not True:
             message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""),

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from gateway.dialects.base import SSEParser, as_int
+from gateway.dialects.base import SSEParser, UpstreamName, as_int
 from gateway.model import DialectName, Usage
 
 
@@ -100,7 +100,7 @@ class MessagesAccumulator:
 
 class Anthropic:
     name: DialectName = "anthropic"
-    upstream = "anthropic"
+    upstream: UpstreamName = "anthropic"
 
     def is_stream(self, body: Mapping[str, Any]) -> bool:
         return body.get("stream") is True

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from gateway.dialects.base import SSEParser, as_int
+from gateway.dialects.base import SSEParser, UpstreamName, as_int
 from gateway.model import DialectName, Usage
 
 
@@ -90,7 +90,7 @@ class ChatAccumulator:
 class OpenAIWire:
     """What every OpenAI route shares: `stream: true` in the body, and the error shapes."""
 
-    upstream = "openai"
+    upstream: UpstreamName = "openai"
 
     def is_stream(self, body: Mapping[str, Any]) -> bool:
         return body.get("stream") is True
