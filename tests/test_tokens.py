@@ -38,13 +38,35 @@ def test_counts_offline_with_cl100k(no_network: None) -> None:
     assert counter.count("", "gpt-4o") == 0
 
 
-def test_o200k_model_falls_back_when_not_cached(no_network: None, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model configured for o200k uses cl100k when o200k's file is not in tiktoken's cache."""
+def test_o200k_comes_offline_from_the_bundled_file(no_network: None, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an empty tiktoken cache and no network, o200k models count with o200k: the bundled file
+    (the one tiktoken would download, by its sha256) is put in the cache and loaded from there."""
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     tokens.load_encoding.cache_clear()
     try:
         assert not available_offline("o200k_base")
+        counter = TokenCounter(MODELS)
+        enc = counter.encoding("gpt-4o-mini")
+        assert (enc.name, enc.n_vocab) == ("o200k_base", 200019)
+        assert available_offline("o200k_base")
+        text = "Die Konfiguration liegt in config/gateway.yaml; 日本語のテキストも数えます。"
+        assert counter.count(text, "gpt-4o") == len(enc.encode_ordinary(text))
+        assert counter.count(text, "gpt-4o") != counter.count(text, "claude-sonnet-4-5")  # not cl100k
+    finally:
+        tokens.load_encoding.cache_clear()
+
+
+def test_o200k_model_falls_back_without_a_usable_file(no_network: None, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model configured for o200k uses cl100k when o200k is neither cached nor bundled, and a bundled
+    file whose hash is not tiktoken's is never put in the cache."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    tokens.load_encoding.cache_clear()
+    try:
+        monkeypatch.setitem(tokens._DOWNLOADED, "o200k_base", (tokens._DOWNLOADED["o200k_base"][0], "0" * 64))
+        assert not tokens.seed_cache("o200k_base") and not any(tmp_path.iterdir())
+        monkeypatch.setattr(tokens, "_BUNDLED", {})
         assert TokenCounter(MODELS).encoding("gpt-4o").name == FALLBACK_ENCODING
     finally:
         tokens.load_encoding.cache_clear()
@@ -155,9 +177,8 @@ def _odd_text(rng: random.Random, n: int) -> str:
 @pytest.mark.parametrize("encoding", [FALLBACK_ENCODING, "o200k_base"])
 def test_long_texts_counted_by_pieces_are_exact(encoding: str) -> None:
     """Counts assembled from cached pieces (lines, a text and its trailing separator) equal whole-text counts."""
-    if not available_offline(encoding):
-        pytest.skip(f"{encoding} is not available offline")
     enc = tokens.load_encoding(encoding)
+    assert enc.name == encoding
     counter = TokenCounter({"default": ModelSettings(encoding=None if encoding == FALLBACK_ENCODING
                                                      else "o200k_base")})
     assert counter.encoding().name == enc.name
