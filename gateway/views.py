@@ -38,6 +38,10 @@ from gateway.model import ConversationView, Summary, Turn
 class KnownViews:
     """Conversation views as stored after this process's last load or record of them (LRU)."""
 
+    # A view holds the messages after its summary: normally a window and a fold batch. One whose
+    # folds fall far behind (a summarizer failing) is not kept: its requests load, as without views.
+    MAX_TAIL = 512
+
     def __init__(self, limit: int = 256, *, live: bool = False) -> None:
         self._views: OrderedDict[tuple[str, str], tuple[ConversationView, str | None]] = OrderedDict()
         self.limit = limit
@@ -57,6 +61,9 @@ class KnownViews:
     def put(self, ref: ConvRef, view: ConversationView) -> None:
         """Remember `view` unless a longer one is known (a newer record of this process's own)."""
         key = (ref.tenant, ref.conversation)
+        if len(view.tail) > self.MAX_TAIL:
+            self._views.pop(key, None)
+            return
         known = self._views.get(key)
         if known is not None and known[0].length > view.length:
             return

@@ -81,8 +81,8 @@ def test_with_summary_moves_the_tail_to_the_new_coverage() -> None:
 
 
 def test_known_views_are_used_only_while_live() -> None:
-    """Known views count only while the change channel is followed; losing or regaining it forgets them,
-    and a shorter view never replaces a longer one."""
+    """Known views count only while the change channel is followed; losing or regaining it forgets them;
+    a shorter view never replaces a longer one, and one with a tail past MAX_TAIL is not kept."""
     ref = ConvRef("t", "c", "p")
     turns = _turns(["a", "b", "c"])
     views = KnownViews(live=True)
@@ -93,6 +93,9 @@ def test_known_views_are_used_only_while_live() -> None:
     views.put(ConvRef("t", "d", "p"), _view(turns))
     views.drop(ConvRef("t", "x", "p"))  # the project's state changed: both of its conversations
     assert len(views) == 0
+    views.put(ref, _view(turns))
+    views.put(ref, _view(_turns([f"m{i}" for i in range(KnownViews.MAX_TAIL + 1)])))  # folds far behind
+    assert views.get(ref) is None
     views.put(ref, _view(turns))
     views.set_live(False)
     assert views.get(ref) is None
