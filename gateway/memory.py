@@ -135,7 +135,7 @@ class Memory:
         Another process folded it ("folded"): what this process knows of it is reloaded now, in the
         background, rather than after its next request (views.py)."""
         if kind != "folded":
-            self.views.drop(ref)
+            self.views.drop_project(ref)  # a state edit concerns every conversation of the project
             return
         key = _key(ref)
         if key in self._refreshing or self.views.get(ref) is None:
@@ -151,24 +151,12 @@ class Memory:
         except StoreUnavailable:
             self.views.drop(ref)
             return
-        known = self.views.get(ref)
-        if known is not None:
-            merged = rebase(known, loaded)
-            if merged is None:
-                self.views.drop(ref)
-            else:
-                self.views.put(ref, merged)
+        self.views.update(ref, lambda known: rebase(known, loaded))
 
     def _committed(self, ref: ConvRef, summary: Summary | None, state: tuple[dict[str, Any], int] | None) -> None:
         """A fold worker of this process committed a summary or a state ledger: known views take it now."""
         if summary is not None:
-            known = self.views.get(ref)
-            if known is not None:
-                updated = with_summary(known, summary)
-                if updated is None:
-                    self.views.drop(ref)
-                else:
-                    self.views.put(ref, updated)
+            self.views.update(ref, lambda known: with_summary(known, summary))
         if state is not None:
             ledger, version = state
             for other, known in self.views.of_project(ref):

@@ -28,7 +28,7 @@ a regenerate, a client that switched dialect) loads.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from gateway.keys import ConvRef
@@ -72,9 +72,23 @@ class KnownViews:
         while len(self._views) > self.limit:
             self._views.popitem(last=False)
 
+    def update(self, ref: ConvRef, change: Callable[[ConversationView], ConversationView | None]) -> None:
+        """Replace the known view of `ref` by `change(view)`; forget it when that is None."""
+        known = self.get(ref)
+        if known is not None:
+            changed = change(known)
+            if changed is None:
+                self.drop(ref)
+            else:
+                self.put(ref, changed)
+
     def drop(self, ref: ConvRef) -> None:
-        """Forget the conversation, and with a project every conversation sharing its state."""
+        """Forget the conversation."""
         self._views.pop((ref.tenant, ref.conversation), None)
+
+    def drop_project(self, ref: ConvRef) -> None:
+        """Forget the conversation and, with a project, every conversation sharing its state."""
+        self.drop(ref)
         if ref.project:
             for key in [k for k, (_, p) in self._views.items() if p == ref.project and k[0] == ref.tenant]:
                 del self._views[key]

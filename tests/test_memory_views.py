@@ -4,7 +4,8 @@ send the wrong thing: several replicas on one Redis, edits, deletes and folds fr
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from memory_helpers import KEY, Chat, Gateway, memory_gateway, plain, reply_text, user_text
@@ -116,21 +117,28 @@ async def test_edits_and_deletes_reach_the_other_replicas(redis_url: str) -> Non
         assert "Never log credentials" not in chat_b.injected()
 
 
-async def _fold_elsewhere(g: Gateway, *, announce: bool) -> str:
-    """Fold every queued conversation from another process's store connection; the summary text."""
-    elsewhere = await open_store(g.app[SETTINGS].store)  # another process: its own connections and origin
-    try:
-        if not announce:
-            async def silent(ref: ConvRef, kind: str = "edited") -> None:
-                return None
+@asynccontextmanager
+async def _folded_elsewhere(redis_url: str, *, announce: bool) -> AsyncIterator[tuple[Gateway, Chat, list[Any], str]]:
+    """A gateway without fold workers, 8 turns of one conversation, then a fold of it by a worker on
+    another process's store connection (announced or not): (gateway, chat, history, summary text)."""
+    async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
+        g.fake.responder = reply_text
+        await g.views_live()
+        chat, msgs = Chat(g, "openai", "far-fold"), []
+        await _talk(chat, msgs, range(8))
+        elsewhere = await open_store(g.app[SETTINGS].store)  # its own connections and origin
+        try:
+            if not announce:
+                async def silent(ref: ConvRef, kind: str = "edited") -> None:
+                    return None
 
-            elsewhere.announce = silent  # type: ignore[method-assign]
-        await FoldWorker(elsewhere, g.app[SETTINGS], ExtractiveSummarizer(COUNTER.count)).run(burst=True)
-    finally:
-        await elsewhere.close()
-    summary, _, _ = await g.app[STORE].get_summary(ConvRef(tenant_for(KEY), "far-fold"))
-    assert summary is not None
-    return summary.text
+                elsewhere.announce = silent  # type: ignore[method-assign]
+            await FoldWorker(elsewhere, g.app[SETTINGS], ExtractiveSummarizer(COUNTER.count)).run(burst=True)
+        finally:
+            await elsewhere.close()
+        summary, _, _ = await g.app[STORE].get_summary(ConvRef(tenant_for(KEY), "far-fold"))
+        assert summary is not None
+        yield g, chat, msgs, summary.text
 
 
 async def _talk(chat: Chat, msgs: list[dict[str, Any]], turns: range) -> None:
@@ -143,12 +151,7 @@ async def _talk(chat: Chat, msgs: list[dict[str, Any]], turns: range) -> None:
 async def test_a_fold_from_another_process_is_announced_to_the_replicas(redis_url: str) -> None:
     """A fold worker in another process announces its summary: a replica that knows the conversation
     reloads it at once, so its very next request carries the new summary."""
-    async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
-        g.fake.responder = reply_text
-        await g.views_live()
-        chat, msgs = Chat(g, "openai", "far-fold"), []
-        await _talk(chat, msgs, range(8))
-        text = await _fold_elsewhere(g, announce=True)
+    async with _folded_elsewhere(redis_url, announce=True) as (g, chat, msgs, text):
         ref = ConvRef(tenant_for(KEY), "far-fold")
         for _ in range(200):
             view = g.app[HOOK].views.get(ref)
@@ -165,12 +168,7 @@ async def test_a_fold_from_another_process_is_announced_to_the_replicas(redis_ur
 async def test_an_unannounced_fold_reaches_the_second_request_at_the_latest(redis_url: str) -> None:
     """Without the announcement (lost), the first request's record learns of the new summary version
     and reloads: the request after it carries the summary, never a later one."""
-    async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
-        g.fake.responder = reply_text
-        await g.views_live()
-        chat, msgs = Chat(g, "openai", "far-fold"), []
-        await _talk(chat, msgs, range(8))
-        text = await _fold_elsewhere(g, announce=False)
+    async with _folded_elsewhere(redis_url, announce=False) as (_, chat, msgs, text):
         seen = []
         for i in range(8, 10):
             await _talk(chat, msgs, range(i, i + 1))

@@ -91,7 +91,10 @@ def test_known_views_are_used_only_while_live() -> None:
     view = views.get(ref)
     assert view is not None and view.length == 3
     views.put(ConvRef("t", "d", "p"), _view(turns))
-    views.drop(ConvRef("t", "x", "p"))  # the project's state changed: both of its conversations
+    views.drop(ConvRef("t", "d", "p"))
+    assert len(views) == 1
+    views.put(ConvRef("t", "d", "p"), _view(turns))
+    views.drop_project(ConvRef("t", "x", "p"))  # the project's state changed: both of its conversations
     assert len(views) == 0
     views.put(ref, _view(turns))
     views.put(ref, _view(_turns([f"m{i}" for i in range(KnownViews.MAX_TAIL + 1)])))  # folds far behind
