@@ -138,20 +138,23 @@ class Memory:
             self.views.drop_project(ref)  # a state edit concerns every conversation of the project
             return
         key = _key(ref)
-        if key in self._refreshing or self.views.get(ref) is None:
+        if key in self._refreshing or not self.views.of_project(ref):
             return
         task = asyncio.get_running_loop().create_task(self._refresh(ref))
         self._refreshing[key] = task
         task.add_done_callback(lambda _: self._refreshing.pop(key, None))
 
     async def _refresh(self, ref: ConvRef) -> None:
-        """Reload the conversation and merge the summary, state and counters into its known view."""
+        """Reload the conversation and merge the summary, state and counters into its known view; the
+        state also into its project's other known conversations (the fold updated their shared state)."""
         try:
             loaded = await self.store.load(ref, head=self.settings.memory.keep_initial)
         except StoreUnavailable:
-            self.views.drop(ref)
+            self.views.drop_project(ref)
             return
         self.views.update(ref, lambda known: rebase(known, loaded))
+        if ref.project and loaded.state is not None:
+            self._committed(ref, None, (loaded.state, loaded.state_version))
 
     def _committed(self, ref: ConvRef, summary: Summary | None, state: tuple[dict[str, Any], int] | None) -> None:
         """A fold worker of this process committed a summary or a state ledger: known views take it now."""
@@ -208,7 +211,8 @@ class Memory:
         if view is None:
             try:
                 view = await self.store.load(ref, head=mem.keep_initial)
-                decision = await self._decide(ref, hashes, chains, view, arrived)
+                if view.dialect in (None, shape.dialect):
+                    decision = await self._decide(ref, hashes, chains, view, arrived)
             except StoreUnavailable as exc:
                 return self._degraded(call, shape, history, exc)
         if view.dialect is not None and view.dialect != shape.dialect:
@@ -724,6 +728,4 @@ class Memory:
         if fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
                             aged_tokens=sum(t.tokens for t in aged), fold_tokens=mem.fold_tokens):
             await self.store.enqueue_fold(req.ref)
-            known = self.views.get(req.ref)
-            if known is not None:
-                self.views.put(req.ref, replace(known, fold_pending=True))
+            self.views.update(req.ref, lambda known: replace(known, fold_pending=True))

@@ -175,3 +175,42 @@ async def test_an_unannounced_fold_reaches_the_second_request_at_the_latest(redi
             seen.append(text[:80] in chat.injected())
         assert seen == [False, True]
         assert plain(await chat.stored()) == msgs
+
+
+async def test_a_fold_elsewhere_brings_the_project_state_to_its_other_conversations(redis_url: str) -> None:
+    """A fold in another process updates a project's shared state; the replica's next request of
+    another conversation of that project carries the new state (the fold's announcement reloads it)."""
+    async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
+        g.fake.responder = reply_text
+        await g.views_live()
+        project = {"extra_headers": {"X-Project-Id": "ledger"}}
+        a, b = Chat(g, "openai", "proj-a"), Chat(g, "openai", "proj-b")
+        a_msgs: list[dict[str, Any]] = []
+        b_msgs: list[dict[str, Any]] = []
+        for i in range(4):
+            b_msgs.append({"role": "user", "content": user_text(i)})
+            _, text = await b.send(b_msgs, **project)
+            b_msgs.append({"role": "assistant", "content": text})
+        for i in range(8):
+            said = "We decided to use PostgreSQL 16 for the billing ledger." if i == 1 else user_text(i)
+            a_msgs.append({"role": "user", "content": said})
+            _, text = await a.send(a_msgs, **project)
+            a_msgs.append({"role": "assistant", "content": text})
+        assert "PostgreSQL 16" not in b.injected()
+        elsewhere = await open_store(g.app[SETTINGS].store)
+        try:
+            await FoldWorker(elsewhere, g.app[SETTINGS], ExtractiveSummarizer(COUNTER.count)).run(burst=True)
+        finally:
+            await elsewhere.close()
+        ref_b = ConvRef(tenant_for(KEY), "proj-b", "ledger")
+        for _ in range(200):
+            view = g.app[HOOK].views.get(ref_b)
+            if view is not None and "PostgreSQL 16" in str(view.state):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the project's other conversation never took the new state")
+        b_msgs.append({"role": "user", "content": user_text(4)})
+        headers, _ = await b.send(b_msgs, **project)
+        assert headers["x-gateway-context"] == "rewritten"
+        assert "PostgreSQL 16" in b.injected()
