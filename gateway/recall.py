@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from gateway.model import Turn
 from gateway.retrieval import RetrievalIndex
@@ -26,18 +27,64 @@ EXCERPT_HEADER_TOKENS = 20
 SLICE_MESSAGES = 64
 SLICE_SECONDS = 0.002
 
+T = TypeVar("T")
+
 # (conversation key) → messages [start, stop) from the store
 FetchTurns = Callable[[int, int], Awaitable[list[Turn]]]
+
+
+class Column(Generic[T]):
+    """An append-only sequence the cyclic GC does not walk item by item.
+
+    A full collection visits every reference a tracked container holds, and a list is always
+    tracked: with a few hundred conversations of 1,000 messages, the per-message lists held over a
+    million references and each full collection stalled the event loop for 30-60 ms. Here items
+    sit in tuples of `CHUNK`, which the GC stops tracking once it has seen that they hold only
+    strings, numbers, None or such tuples; only the list of chunks and the last, unfinished chunk
+    stay in its sight.
+    """
+
+    CHUNK = 64
+    __slots__ = ("_chunks", "_tail")
+
+    def __init__(self) -> None:
+        self._chunks: list[tuple[T, ...]] = []
+        self._tail: list[T] = []
+
+    def __len__(self) -> int:
+        return len(self._chunks) * self.CHUNK + len(self._tail)
+
+    def __getitem__(self, i: int) -> T:
+        if i < 0:
+            i += len(self)
+        chunk, at = divmod(i, self.CHUNK)
+        return self._chunks[chunk][at] if chunk < len(self._chunks) else self._tail[at]
+
+    def __iter__(self) -> Iterator[T]:
+        for chunk in self._chunks:
+            yield from chunk
+        yield from self._tail
+
+    def append(self, item: T) -> None:
+        self._tail.append(item)
+        if len(self._tail) == self.CHUNK:
+            self._chunks.append(tuple(self._tail))
+            self._tail = []
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` items."""
+        if length >= len(self):
+            return
+        chunk, at = divmod(max(0, length), self.CHUNK)
+        self._tail = list(self._chunks[chunk][:at]) if chunk < len(self._chunks) else self._tail[:at]
+        del self._chunks[chunk:]
 
 
 @dataclass(slots=True)
 class _Entry:
     index: RetrievalIndex = field(default_factory=RetrievalIndex)
-    texts: list[str] = field(default_factory=list)
-    roles: list[str] = field(default_factory=list)
-    times: list[str | None] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    chains: list[str] = field(default_factory=list)
+    # Per position: (role, text, time, tokens, chain); tuples of strings and numbers, out of the GC's sight.
+    rows: Column[tuple[str, str, str | None, int, str]] = field(default_factory=Column)
     version: int = 0  # bumped by every change to the index: a remembered search is stale after one
     # Held while a catch-up yields mid-way: a concurrent request waits instead of indexing the same
     # positions a second time.
@@ -81,21 +128,16 @@ class RecallCache:
             # Budgeted at what the excerpt will cost: its text plus its "[message N, role, time]"
             # header. Budgeting the text alone overfilled the block, and the renderer then dropped
             # whichever excerpts came last in the conversation, not the least relevant.
-            entry.index.add(len(entry.texts), turn.role, turn.text, turn.time, turn.tokens + EXCERPT_HEADER_TOKENS)
-            entry.texts.append(turn.text)
-            entry.roles.append(turn.role)
-            entry.times.append(turn.time)
-            entry.tokens.append(turn.tokens)
-            entry.chains.append(turn.chain)
+            entry.index.add(len(entry.rows), turn.role, turn.text, turn.time, turn.tokens + EXCERPT_HEADER_TOKENS)
+            entry.rows.append((turn.role, turn.text, turn.time, turn.tokens, turn.chain))
 
     def truncate(self, key: Hashable, length: int) -> None:
         """The conversation branched at `length`: positions from there on are no longer history."""
         entry = self._entries.get(key)
-        if entry is not None and len(entry.texts) > length:
+        if entry is not None and len(entry.rows) > length:
             entry.version += 1
             entry.index.truncate(length)
-            for column in (entry.texts, entry.roles, entry.times, entry.tokens, entry.chains):
-                del column[length:]
+            entry.rows.truncate(length)
 
     async def sync(self, key: Hashable, tail: Sequence[Turn], tail_start: int, fetch: FetchTurns) -> None:
         """Make every stored position [0, tail_start + len(tail)) searchable.
@@ -108,12 +150,12 @@ class RecallCache:
         async with entry.lock:
             for offset, turn in enumerate(tail):
                 pos = tail_start + offset
-                if pos >= len(entry.chains):
+                if pos >= len(entry.rows):
                     break
-                if entry.chains[pos] != turn.chain:
+                if entry.rows[pos][4] != turn.chain:
                     self.truncate(key, pos)
                     break
-            have = len(entry.texts)
+            have = len(entry.rows)
             if have < tail_start:
                 if not await self._catch_up(entry, have, await fetch(have, tail_start)):
                     return  # a branch cut the index back meanwhile: the next sync goes on from there
@@ -126,7 +168,7 @@ class RecallCache:
         False when the index no longer ends where this slice starts (truncated by a branch)."""
         done = 0
         while done < len(turns):
-            if len(entry.texts) != start + done:
+            if len(entry.rows) != start + done:
                 return False
             deadline = time.perf_counter() + SLICE_SECONDS
             stop = min(done + SLICE_MESSAGES, len(turns))
@@ -165,10 +207,7 @@ class RecallCache:
         hits = entry.index.search(
             query, budget_tokens=budget_tokens, exclude=excluded, recent=recent, query_time=query_time
         )
-        found = [
-            Recalled(h.index, entry.roles[h.index], entry.texts[h.index], entry.times[h.index],
-                     entry.tokens[h.index])
-            for h in hits
-        ]
+        rows = entry.rows
+        found = [Recalled(h.index, *rows[h.index][:4]) for h in hits]
         entry.last = (args, entry.version, found)
         return list(found)

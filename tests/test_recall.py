@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
 
 from gateway.model import Turn
-from gateway.recall import RecallCache
+from gateway.recall import Column, RecallCache
 
 
 def _turns(texts: list[str], start: int = 0) -> list[Turn]:
@@ -97,7 +98,7 @@ async def test_cold_catch_up_gives_the_event_loop_back() -> None:
     stop = True
     await task
     assert ticks - before >= 400 // 64  # at least once per slice
-    assert len(cache._entries["k"].texts) == 400
+    assert len(cache._entries["k"].rows) == 400
 
 
 async def test_concurrent_catch_ups_index_each_message_once() -> None:
@@ -114,7 +115,7 @@ async def test_concurrent_catch_ups_index_each_message_once() -> None:
     tail = _turns(texts[290:], 290)
     await asyncio.gather(cache.sync("k", tail, 290, fetch), cache.sync("k", tail, 290, fetch))
     entry = cache._entries["k"]
-    assert entry.chains == [f"c{i}" for i in range(300)]
+    assert [row[4] for row in entry.rows] == [f"c{i}" for i in range(300)]
     assert [h.position for h in cache.search("k", query="topic5 Luna0", before=300, budget_tokens=60)]
 
 
@@ -134,6 +135,33 @@ async def test_branch_during_a_catch_up_leaves_a_consistent_index() -> None:
     cache.truncate("k", 10)
     await sync
     entry = cache._entries["k"]
-    assert entry.chains == [f"c{i}" for i in range(len(entry.chains))]
+    assert [row[4] for row in entry.rows] == [f"c{i}" for i in range(len(entry.rows))]
     await cache.sync("k", _turns(texts[390:], 390), 390, fetch)
-    assert entry.chains == [f"c{i}" for i in range(400)]
+    assert [row[4] for row in entry.rows] == [f"c{i}" for i in range(400)]
+
+
+def test_a_column_reads_appends_and_truncates_across_its_chunks() -> None:
+    """Indexing, iteration and truncation agree with a plain list on both sides of chunk edges."""
+    col: Column[str] = Column()
+    plain = [f"row {i}" for i in range(3 * Column.CHUNK + 5)]
+    for row in plain:
+        col.append(row)
+    assert len(col) == len(plain) and list(col) == plain
+    assert col[0] == plain[0] and col[Column.CHUNK] == plain[Column.CHUNK] and col[-1] == plain[-1]
+    for length in (2 * Column.CHUNK + 3, 2 * Column.CHUNK, Column.CHUNK - 1, 0):
+        col.truncate(length)
+        assert list(col) == plain[:length]
+    col.append("again")
+    assert list(col) == ["again"]
+
+
+def test_a_long_column_keeps_only_its_last_chunk_in_the_gc_sight() -> None:
+    """Full chunks of strings are untracked once collected, so full collections do not walk every row."""
+    col: Column[tuple[str, int]] = Column()
+    for i in range(10 * Column.CHUNK + 7):
+        col.append((f"text {i}", i))
+    gc.collect()  # untracks the rows; the next collection, the chunks that hold only untracked rows
+    gc.collect()
+    walked = sum(len(gc.get_referents(c)) for c in col._chunks if gc.is_tracked(c))
+    assert walked == 0
+    assert len(col._tail) == 7
