@@ -24,6 +24,7 @@ from gateway.config import Settings
 from gateway.dialects import Dialect, dialect_for_path
 from gateway.metrics import Metrics
 from gateway.model import Usage
+from gateway.resend import ResendParser
 from gateway.transport import HTTPClient, Response, UpstreamError, UpstreamTimeout
 from gateway.upstream import Upstream, request_headers, response_headers, upstreams
 
@@ -119,6 +120,7 @@ class Proxy:
         self.auth = Authenticator(settings)
         self.upstreams: dict[str, Upstream] = upstreams(settings)
         self.conversation_headers = tuple(settings.conversation.headers)
+        self.bodies = ResendParser()
         self.client: HTTPClient | None = None  # opened by the app's cleanup_ctx, inside the event loop
 
     async def handle(self, request: web.Request, *, memory: bool, json_body: bool) -> web.StreamResponse:
@@ -142,8 +144,11 @@ class Proxy:
         if json_body:
             if not _is_json(request.content_type):
                 raise GatewayError(415, None, f"Content-Type must be application/json, not {request.content_type!r}")
+            # A conversation's resent history is parsed only from where the last request's ended.
+            key = ((ident.tenant, rec.conversation, dialect.name)
+                   if memory and self.hook is not None and rec.conversation else None)
             try:
-                body = orjson.loads(raw)
+                body = self.bodies.loads(key, raw, dialect.history_field)
             except orjson.JSONDecodeError as exc:
                 raise GatewayError(400, None, f"request body is not valid JSON: {exc}") from None
             if not isinstance(body, dict):

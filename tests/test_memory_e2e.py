@@ -35,7 +35,7 @@ from memory_helpers import (
     user_text,
 )
 
-from gateway.app import SETTINGS, STORE
+from gateway.app import PROXY, SETTINGS, STORE
 from gateway.summarizer import ExtractiveSummarizer
 from gateway.worker import FoldWorker
 
@@ -267,3 +267,48 @@ async def test_turn_larger_than_context_window_is_refused(redis_url: str, dialec
         else:
             await anthropic_turn(g, g.anthropic(), conv, msgs, model=model)
         assert (await g.api("GET", conv))[1]["messages"] == 6
+
+
+# -- long bodies: the resent history is parsed from where the last request's ended ----------------
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Find a [record] by id.",
+                                           "parameters": {"type": "object", "required": ["id"],
+                                                          "properties": {"id": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+async def test_bulky_resent_histories_are_parsed_and_stored_exactly(gw: Gateway, dialect: str,  # noqa: F811
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bodies of tens of KB that resend the history every turn (tools after it, streamed or not, an edit
+    midway) are understood exactly: the stored history is always the client's, and most bodies were
+    parsed from where the previous one ended."""
+    gw.fake.responder = reply_text
+    bodies = gw.app[PROXY].bodies
+    resent: list[bool] = []
+    parse_tail = bodies._resent
+
+    def counted(*args: Any) -> Any:
+        body = parse_tail(*args)
+        resent.append(body is not None)
+        return body
+
+    monkeypatch.setattr(bodies, "_resent", counted)
+    msgs: list[dict[str, Any]] = []
+    conv = f"bulky-{dialect}"
+    for i in range(16):
+        if i == 10:  # an edit of an early user turn: the stored conversation branches there
+            msgs = [*msgs[:6], {"role": "user", "content": "Edited: " + user_text(3) * 30}]
+        else:
+            msgs.append({"role": "user", "content": user_text(i) * 30})  # ~6 KB a turn
+        if dialect == "openai":
+            _, text = await openai_turn(gw, gw.openai(), conv, msgs, stream=i % 2 == 1, tools=TOOLS)
+            assert gw.last("/chat/completions").body["tools"] == TOOLS
+        else:
+            text = (await anthropic_turn(gw, gw.anthropic(), conv, msgs, stream=i % 2 == 1,
+                                         system=SYSTEM))[1].content[0].text
+        assert text == reply_text({"messages": msgs})
+        msgs.append({"role": "assistant", "content": text})
+        stored = await gw.messages(conv)  # Anthropic replies are stored as the text blocks they came as
+        assert [(m["role"], block_text(m["content"])) for m in stored] == [(m["role"], m["content"]) for m in msgs]
+    assert len(orjson.dumps(msgs)) > 40_000
+    assert sum(resent) >= 10 and not all(resent)  # the edit was parsed whole

@@ -101,6 +101,7 @@ class MessagesAccumulator:
 class Anthropic:
     name: DialectName = "anthropic"
     upstream: UpstreamName = "anthropic"
+    history_field = "messages"
 
     def is_stream(self, body: Mapping[str, Any]) -> bool:
         return body.get("stream") is True

@@ -32,6 +32,7 @@ class Accumulator(Protocol):
 class Dialect(Protocol):
     name: DialectName
     upstream: UpstreamName
+    history_field: str  # the body's member that carries the conversation ("messages", "input")
 
     def is_stream(self, body: Mapping[str, Any]) -> bool: ...
 

@@ -104,6 +104,7 @@ class OpenAIWire:
 
 class OpenAIChat(OpenAIWire):
     name: DialectName = "openai_chat"
+    history_field = "messages"
 
     def accumulator(self) -> ChatAccumulator:
         return ChatAccumulator()

@@ -79,6 +79,7 @@ class ResponsesAccumulator:
 
 class OpenAIResponses(OpenAIWire):
     name: DialectName = "openai_responses"
+    history_field = "input"
 
     def accumulator(self) -> ResponsesAccumulator:
         return ResponsesAccumulator()

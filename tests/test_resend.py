@@ -1,0 +1,132 @@
+"""The resend parser: a body that resends a known history parses exactly as orjson parses it whole."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.resend import ResendParser
+
+
+def _message(i: int, text: str = "") -> dict[str, Any]:
+    return {"role": "user" if i % 2 == 0 else "assistant", "content": text or f"message {i}"}
+
+
+def _body(messages: list[dict[str, Any]], **members: Any) -> bytes:
+    return orjson.dumps({"model": "m", "messages": messages, **members})
+
+
+def test_a_resent_history_parses_as_a_whole_parse_and_reuses_the_earlier_items() -> None:
+    """Each call equals orjson.loads; the items sent before are handed out as the same objects."""
+    parser = ResendParser(min_bytes=0)
+    history = [_message(i) for i in range(6)]
+    first = parser.loads("c", _body(history, stream=True), "messages")
+    history += [_message(6), _message(7)]
+    second = parser.loads("c", _body(history, stream=True), "messages")
+    assert second == orjson.loads(_body(history, stream=True))
+    assert all(a is b for a, b in zip(first["messages"], second["messages"][:6], strict=True))
+    assert second["messages"] is not first["messages"]  # a fresh list every time
+
+
+def test_members_before_the_history_may_change_between_calls() -> None:
+    """`stream` put before the history on one call and not the next (as the OpenAI SDK does), another
+    model: the known items are still found, and the result is still exactly orjson's."""
+    parser = ResendParser(min_bytes=0)
+    history = [_message(i) for i in range(4)]
+    parsed = parser.loads("c", orjson.dumps({"model": "m", "messages": history}), "messages")
+    for i, head in enumerate(({"model": "m", "stream": True}, {"model": "other"}, {"temperature": 0.5})):
+        history.append(_message(4 + i))
+        raw = orjson.dumps({**head, "messages": history, "max_tokens": 10})
+        again = parser.loads("c", raw, "messages")
+        assert again == orjson.loads(raw) and list(again) == list(orjson.loads(raw))
+        assert all(a is b for a, b in zip(parsed["messages"], again["messages"], strict=False))
+        parsed = again
+
+
+def test_a_body_that_does_not_resend_the_known_items_is_parsed_whole() -> None:
+    """An edited earlier message, or another body under the same key, parses as orjson parses it."""
+    parser = ResendParser(min_bytes=0)
+    history = [_message(i) for i in range(6)]
+    parser.loads("c", _body(history), "messages")
+    edited = [*history[:2], _message(2, "edited"), *history[3:], _message(6)]
+    assert parser.loads("c", _body(edited), "messages") == orjson.loads(_body(edited))
+    regenerated = history[:5]
+    assert parser.loads("c", _body(regenerated), "messages") == orjson.loads(_body(regenerated))
+
+
+@pytest.mark.parametrize("tail", [b",{\"role\":\"user\"", b",{]", b"]", b"],\"x\":1}}", b",1]]}", b"]}garbage"])
+def test_an_invalid_continuation_raises_what_orjson_raises(tail: bytes) -> None:
+    """A body that starts like a known one but does not end as JSON gets orjson's own error."""
+    parser = ResendParser(min_bytes=0)
+    history = [_message(i) for i in range(4)]
+    raw = _body(history)
+    parser.loads("c", raw, "messages")
+    prefix = raw[: raw.rindex(b"]")]
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(prefix + tail)
+    with pytest.raises(orjson.JSONDecodeError):
+        parser.loads("c", prefix + tail, "messages")
+
+
+def test_members_after_the_history_with_brackets_and_a_client_key_like_the_sentinel() -> None:
+    """Tools after the history hold `]`; a NUL in a key is parsed whole; duplicates: the last wins."""
+    parser = ResendParser(min_bytes=0)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"required": ["a]"], "x": [[1], []]}}}]
+    history = [_message(i) for i in range(4)]
+    for extra in ({"tools": tools}, {"tools": tools, "\x00": [0]}, {"model": "other"}):
+        history.append(_message(len(history), "text with ], } and \" and \\u0000 and é"))
+        raw = orjson.dumps({"model": "m", "messages": history, **extra})
+        assert parser.loads("c", raw, "messages") == orjson.loads(raw)
+    dup = _body(history)[:-1] + b',"messages":[]}'
+    assert parser.loads("c", dup, "messages") == orjson.loads(dup)
+
+
+def test_pretty_printed_bodies_parse_exactly() -> None:
+    """White space anywhere (json.dumps with an indent) changes nothing in the result."""
+    parser = ResendParser(min_bytes=0)
+    history = [_message(i) for i in range(3)]
+    for _ in range(3):
+        history.append(_message(len(history)))
+        raw = json.dumps({"messages": history, "model": "m"}, indent=2).encode()
+        assert parser.loads("c", raw, "messages") == orjson.loads(raw)
+
+
+def test_memory_is_bounded_by_the_bytes_of_the_kept_prefixes() -> None:
+    """Past `max_bytes` the least recently used conversations are forgotten (and parsed whole again)."""
+    parser = ResendParser(max_bytes=3000, min_bytes=0)
+    for k in range(10):
+        parser.loads(k, _body([_message(i, "x" * 100) for i in range(8)]), "messages")
+    assert 0 < parser._bytes <= 3000
+    assert list(parser._known) == list(range(10))[-len(parser._known):]
+
+
+_json_value = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from(list("ab]}[{\",\\ \né\x00"))),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    before=st.dictionaries(st.sampled_from(["model", "system", "a]", "tools"]), _json_value, max_size=2),
+    after=st.dictionaries(st.sampled_from(["stream", "tools", "max_tokens", "model"]), _json_value, max_size=3),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), _json_value), min_size=1, max_size=6),
+    indent=st.sampled_from([None, 1]),
+)
+def test_any_sequence_of_bodies_parses_as_orjson_parses_it(before: dict[str, Any], after: dict[str, Any],
+                                                           steps: list[tuple[int, int, Any]],
+                                                           indent: int | None) -> None:
+    """Appends, retries, truncations and edits, with arbitrary members around the history: always exact."""
+    parser = ResendParser(min_bytes=0)
+    history: list[Any] = [{"role": "user", "content": "start"}]
+    for grow, cut, value in steps:
+        history = history[: max(1, len(history) - cut)] + [{"role": "user", "content": value}] * grow
+        members = {**before, "messages": history, **{k: v for k, v in after.items() if k not in before}}
+        raw = json.dumps(members, indent=indent, ensure_ascii=False).encode()
+        assert parser.loads("c", raw, "messages") == orjson.loads(raw)
