@@ -9,6 +9,7 @@ Direct and gateway runs alternate in `--rounds` blocks, so drift on a shared mac
     python scripts/bench_overhead.py                         # memory off: 2000 requests, concurrency 1, 10, 50
     python scripts/bench_overhead.py --requests 500 --concurrency 10
     python scripts/bench_overhead.py --conversation-turns 500 --store redis://127.0.0.1:6379/15
+    python scripts/bench_overhead.py --reference             # also a bare 30-line aiohttp relay, same rounds
 
 `--conversation-turns N[,M...]` turns the memory layer on. Each client slot then holds real conversations
 that start at N messages (system prompt aside) and grow as a full-history client's do: every
@@ -20,6 +21,10 @@ conversation this gateway has been serving (summary in place, retrieval index bu
 new turns every `fold_batch` messages, in-process by default).
 Several sizes (`--conversation-turns 10,500`) run in one gateway process with their rounds
 interleaved, so a comparison between sizes is not skewed by the machine's drift either.
+
+`--reference` (memory off) also runs `scripts/bare_relay.py`, a bare aiohttp relay in its own
+process, in the same alternating rounds, and prints its row (`+ref`) under the gateway's: the
+floor any Python reverse proxy adds on this machine, measured under the same conditions.
 """
 
 from __future__ import annotations
@@ -231,19 +236,25 @@ class Cell:
     cpu: list[float]  # seconds per process: gateway (, worker)
     direct: Run = field(default_factory=Run)
     gateway: Run = field(default_factory=Run)
+    reference: Run = field(default_factory=Run)  # the bare relay (--reference)
+    ref_cpu: float = 0.0
     own: list[float] = field(default_factory=list)
 
-    def row(self, mode: str, conc: int, memory: bool) -> str:
-        d, g, n = self.direct, self.gateway, len(self.gateway.latencies)
+    def row(self, mode: str, conc: int, memory: bool, *, reference: bool = False) -> str:
+        d, g = self.direct, self.reference if reference else self.gateway
+        n = len(g.latencies)
         dq = [pct(d.latencies, q) * 1000 for q in (50, 90, 99)]
         gq = [pct(g.latencies, q) * 1000 for q in (50, 90, 99)]
-        own = f"{pct(self.own, 50):.3f}/{pct(self.own, 99):.3f}" if self.own else "-"
+        own = f"{pct(self.own, 50):.3f}/{pct(self.own, 99):.3f}" if self.own and not reference else "-"
+        cpu = self.ref_cpu if reference else self.cpu[0]
+        if reference:
+            mode += "+ref"
         ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory else ""
         worker = f" | worker CPU/req {self.cpu[1] / n * 1000:.2f}ms" if len(self.cpu) > 1 else ""
-        return (f"{mode:<7}{conc:>5}{self.turns:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
+        return (f"{mode:<10}{conc:>5}{self.turns:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
                 f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
                 f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
-                f"{d.rps:>6.0f}/{g.rps:<6.0f} | {self.cpu[0] / n * 1000:>5.2f}ms | {own:>18}{ctx}{worker}")
+                f"{d.rps:>6.0f}/{g.rps:<6.0f} | {cpu / n * 1000:>5.2f}ms | {own:>18}{ctx}{worker}")
 
 
 async def folds_settled(store_url: str, within: float = 60.0) -> None:
@@ -330,13 +341,17 @@ async def main() -> None:
     p.add_argument("--settle-seconds", type=float, default=300)
     p.add_argument("--separate-worker", action="store_true",
                    help="folds in a `gateway worker` process instead of inside `gateway serve`")
+    p.add_argument("--reference", action="store_true",
+                   help="memory off: also time a bare aiohttp relay (scripts/bare_relay.py) in the same rounds")
     args = p.parse_args()
 
     sizes = [int(t) for t in args.conversation_turns.split(",")]
     memory = sizes != [0]
+    if args.reference and memory:
+        raise SystemExit("--reference compares the pass-through path: run it without --conversation-turns")
     requests = args.requests or (1000 if memory else 2000)
     workdir = Path(tempfile.mkdtemp(prefix="gw-bench-"))
-    fake_port, gw_port = free_port(), free_port()
+    fake_port, gw_port, ref_port = free_port(), free_port(), free_port()
     config = workdir / "gateway.yaml"
     config.write_text(
         f"upstreams:\n  openai:\n    base_url: http://127.0.0.1:{fake_port}/v1\n"
@@ -354,18 +369,23 @@ async def main() -> None:
     if args.separate_worker:
         procs.append(start([sys.executable, "-m", "gateway", "worker", "--config", str(config)],
                            workdir / "worker.log"))
+    ref = (start([sys.executable, str(Path(__file__).with_name("bare_relay.py")), f"http://127.0.0.1:{fake_port}",
+                  str(ref_port)], workdir / "reference.log") if args.reference else None)
     gw_log = GatewayLog(workdir / "gateway.log")
     try:
         await wait_up(f"http://127.0.0.1:{fake_port}/v1/models", fake)
         await wait_up(f"http://127.0.0.1:{gw_port}/healthz", procs[0])
+        if ref is not None:
+            await wait_up(f"http://127.0.0.1:{ref_port}/healthz", ref)
         base = f"http://127.0.0.1:{gw_port}"
         direct, proxied = f"http://127.0.0.1:{fake_port}/v1/chat/completions", f"{base}/v1/chat/completions"
+        relayed = f"http://127.0.0.1:{ref_port}/v1/chat/completions"
         print(f"{requests} timed requests per cell in {args.rounds} alternating rounds, upstream latency "
               f"{args.latency_ms:g} ms" + (f" ± {args.jitter_ms:g}" if args.jitter_ms else "")
               + f", {os.cpu_count()} CPUs, memory "
               + (f"on ({args.store}), histories of N to N+{2 * args.per_conversation} messages, folds "
                  f"{'in a separate worker' if args.separate_worker else 'in-process'}" if memory else "off"))
-        print(f"{'mode':<7}{'conc':>5}{' N':>5} | {'direct p50/p90/p99 ms':>22} | {'gateway p50/p90/p99 ms':>22} | "
+        print(f"{'mode':<10}{'conc':>5}{' N':>5} | {'direct p50/p90/p99 ms':>22} | {'gateway p50/p90/p99 ms':>22} | "
               f"{'added p50/p90/p99 ms':>21} | {'rps direct/gw':>13} | {'CPU/req':>7} | "
               f"{'gateway_ms p50/p99':>18}" + (" | contexts" if memory else ""))
         for conc in (int(c) for c in args.concurrency.split(",")):
@@ -383,12 +403,18 @@ async def main() -> None:
                     await load(direct, d_work, max(1, args.warmup // conc), conc)
                     if not memory:
                         await load(proxied, g_work, max(1, args.warmup // conc), conc)
+                    if ref is not None:
+                        await load(relayed, d_work, max(1, args.warmup // conc), conc)
                     cells.append(Cell(turns, d_work, g_work, cpu=[0.0] * len(procs)))
                 # Conversations one block moves through, per slot (seed and warm-up requests included).
                 per_block = -(-per_round // max(1, args.per_conversation - 2)) + 2
                 for _ in range(args.rounds):
                     for c in cells:
                         c.direct.add(await load(direct, c.d_work, per_round, conc))
+                        if ref is not None:
+                            cpu0 = [cpu_seconds(ref.pid)]
+                            c.reference.add(await load(relayed, c.d_work, per_round, conc))
+                            c.ref_cpu += cpu_seconds(ref.pid) - cpu0[0]
                         if memory:
                             await seed(base, c.g_work, args.settle_seconds, per_block)
                             await folds_settled(args.store)  # those the warm-up requests queued
@@ -403,10 +429,13 @@ async def main() -> None:
                             await folds_settled(args.store)
                 for c in cells:
                     print(c.row(mode, conc, memory), flush=True)
+                    if ref is not None:
+                        print(c.row(mode, conc, memory, reference=True), flush=True)
     finally:
-        for proc in (*procs, fake):
+        others = (*procs, fake, *((ref,) if ref is not None else ()))
+        for proc in others:
             proc.send_signal(signal.SIGINT)
-        for proc in (*procs, fake):
+        for proc in others:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
