@@ -220,8 +220,14 @@ class Proxy:
         The tee keeps the raw chunks and feeds them to the dialect's accumulator once the last one
         is relayed, so no parsing ever sits between an upstream chunk and the client.
         """
-        out = web.StreamResponse(status=resp.status, headers=out_headers)
         rec.status = resp.status
+        if resp.arrived:
+            # The whole stream came with its headers (a short answer): relayed in one write, as a
+            # body of known length, rather than as headers, a chunk and an end written apart.
+            payload = await resp.read()
+            return web.Response(body=payload, status=resp.status, headers=out_headers), (
+                _rebuilt(dialect, payload, rec) if rebuild else None)
+        out = web.StreamResponse(status=resp.status, headers=out_headers)
         await out.prepare(request)
         tee: list[bytes] | None = [] if rebuild else None
         complete = False
@@ -255,11 +261,16 @@ class Proxy:
             return out, None
         if tee is None:
             return out, None
-        acc = dialect.accumulator()
-        acc.feed(b"".join(tee))
-        result = acc.result()
-        rec.usage = result[1]
-        return out, result
+        return out, _rebuilt(dialect, b"".join(tee), rec)
+
+
+def _rebuilt(dialect: Dialect, stream: bytes, rec: Record) -> tuple[list[dict[str, Any]], Usage]:
+    """The assistant reply and usage a whole SSE stream carried."""
+    acc = dialect.accumulator()
+    acc.feed(stream)
+    result = acc.result()
+    rec.usage = result[1]
+    return result
 
 
 def _parse_reply(dialect: Dialect, payload: bytes) -> tuple[list[dict[str, Any]], Usage] | None:

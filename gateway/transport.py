@@ -136,6 +136,12 @@ class Response:
             if chunk:
                 return chunk
 
+    @property
+    def arrived(self) -> bool:
+        """The whole answer has arrived: reading the rest of it will not wait."""
+        conn = self._conn
+        return conn is not None and conn.complete and conn.error is None
+
     async def read(self) -> bytes:
         """The whole (rest of the) body."""
         parts = []

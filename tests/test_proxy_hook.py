@@ -61,14 +61,18 @@ async def app_url(fake: FakeUpstream, hook: RecordingHook) -> AsyncIterator[tupl
 
 
 CONV = {"X-Conversation-Id": "c-1"}
+# Not streamed; streamed and arrived whole with its headers (written at once); streamed slowly
+# (relayed chunk by chunk while the reply is rebuilt from a copy of what was relayed).
+STREAMS = [(False, 0.0), (True, 0.0), (True, 0.01)]
 TOOL = ToolCall("get_weather", {"city": "Oslo"}, id="call_h1")
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("stream", "chunk_delay"), STREAMS)
 async def test_openai_chat_hook(app_url: tuple[Any, str], fake: FakeUpstream, hook: RecordingHook,
-                                stream: bool) -> None:
+                                stream: bool, chunk_delay: float) -> None:
     """The hook's body goes upstream, its headers reach the client, and on_success gets the reply in
     request shape (text and tool calls) with usage."""
+    fake.chunk_delay = chunk_delay
     app, url = app_url
     fake.tool_calls = [TOOL]
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0, default_headers=CONV)
@@ -90,10 +94,11 @@ async def test_openai_chat_hook(app_url: tuple[Any, str], fake: FakeUpstream, ho
     assert usage.input_tokens > 0 and usage.output_tokens > 0
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("stream", "chunk_delay"), STREAMS)
 async def test_responses_hook(app_url: tuple[Any, str], fake: FakeUpstream, hook: RecordingHook,
-                              stream: bool) -> None:
+                              stream: bool, chunk_delay: float) -> None:
     """Responses replies are handed to on_success as input items (message and function_call)."""
+    fake.chunk_delay = chunk_delay
     app, url = app_url
     fake.tool_calls = [TOOL]
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0, default_headers=CONV)
@@ -110,10 +115,11 @@ async def test_responses_hook(app_url: tuple[Any, str], fake: FakeUpstream, hook
     assert usage.input_tokens > 0
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("stream", "chunk_delay"), STREAMS)
 async def test_anthropic_hook(app_url: tuple[Any, str], fake: FakeUpstream, hook: RecordingHook,
-                              stream: bool) -> None:
+                              stream: bool, chunk_delay: float) -> None:
     """Anthropic replies are handed to on_success as one assistant message of request-shaped blocks."""
+    fake.chunk_delay = chunk_delay
     app, url = app_url
     fake.tool_calls = [TOOL]
     c = anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0, default_headers=CONV)
