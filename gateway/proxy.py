@@ -144,7 +144,7 @@ class Proxy:
         if json_body:
             if not _is_json(request.content_type):
                 raise GatewayError(415, None, f"Content-Type must be application/json, not {request.content_type!r}")
-            # A conversation's resent history is parsed only from where the last request's ended.
+            # A conversation's resent history is parsed only around what its last request held.
             key = ((ident.tenant, rec.conversation, dialect.name)
                    if memory and self.hook is not None and rec.conversation else None)
             try:
@@ -224,7 +224,10 @@ class Proxy:
         if resp.arrived:
             # The whole stream came with its headers (a short answer): relayed in one write, as a
             # body of known length, rather than as headers, a chunk and an end written apart.
-            payload = await resp.read()
+            try:
+                payload = await resp.read()
+            except UpstreamError as exc:  # a body that does not decode; nothing is sent yet
+                raise upstream_error(exc) from exc
             return web.Response(body=payload, status=resp.status, headers=out_headers), (
                 _rebuilt(dialect, payload, rec) if rebuild else None)
         out = web.StreamResponse(status=resp.status, headers=out_headers)

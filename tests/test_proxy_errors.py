@@ -11,8 +11,10 @@ import aiohttp
 import anthropic
 import openai
 import pytest
+from aiohttp import web
 
 from gateway.app import create_app
+from gateway.config import parse_settings
 from gateway.testing import FakeUpstream, serve_app
 
 
@@ -196,3 +198,21 @@ async def test_mid_stream_drop_ends_with_error_frame(gateway: str, fake: FakeUps
     frames = [f for f in raw.split(b"\n\n") if f]
     assert len(frames) == 3
     assert frames[-1].startswith(b'data: {"error":')
+
+
+async def test_stream_that_arrived_undecodable_is_502() -> None:
+    """A whole SSE answer whose gzip body does not decode is a 502 in the caller's dialect, not a 500."""
+
+    async def broken(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"not gzip at all", headers={"Content-Type": "text/event-stream",
+                                                             "Content-Encoding": "gzip"})
+
+    upstream = web.Application()
+    upstream.router.add_post("/v1/messages", broken)
+    async with serve_app(upstream) as up:
+        settings = parse_settings({"upstreams": {"anthropic": {"base_url": up}}})
+        async with serve_app(create_app(settings, memory=False)) as url:
+            status, _, body = await call(url + "/v1/messages", data=b'{"stream": true}', headers=JSON)
+    assert status == 502 and anthropic_shaped(body)
+    assert "does not decode" in body["error"]["message"]
