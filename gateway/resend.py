@@ -14,12 +14,16 @@ they parsed to. A body that holds those bytes again is parsed around them only:
 
 Why that is exact. A JSON parser's state after the head is "inside the top-level object, at the start
 of the history array": `head + "0]}"` parsing to an object whose last member is the history `[0]`
-proves it. From that state the known items parse as they did the first time (`"[" + items_raw + "]"`
-was checked to parse to exactly those items) and leave the parser just after an element, the state
-`{"\\u0000":[0` also leaves a fresh parser in; so the tail is valid, and means the same, in both. A
-tail with `\\u0000` in it is parsed whole, so the sentinel key cannot meet a key of the client's.
-Duplicate keys resolve as orjson resolves them: the last value wins, in the first one's place. The
-members before the history may change from one call to the next (`stream`, `model`, `temperature`).
+proves it. From that state the known items parse as they did when they were learned (from a body
+parsed whole, in which no member of the history's name followed them) and leave the parser just
+after an element, the state `{"\\u0000":[0` also leaves a fresh parser in; so the tail is valid, and
+means the same, in both. A tail with `\\u0000` in it is parsed whole, so the sentinel key cannot
+meet a key of the client's. Duplicate keys resolve as orjson resolves them: the last value wins, in
+the first one's place. The members before the history may change from one call to the next
+(`stream`, `model`, `temperature`).
+
+Where the history's items end is looked for from the body's end: at the right `]`, the members
+after it parse as they did in the whole, and the bytes before it parse to exactly the items.
 
 The earlier history items are handed out again as the same objects, which makes the memory path's
 comparison with the previous request a pointer comparison. Callers must not change a parsed body
@@ -28,9 +32,11 @@ in place (nothing in the gateway does: the rewrite renders new lists and dicts).
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import orjson
@@ -40,9 +46,10 @@ _OPEN = b'{"\\u0000":[0'
 _NUL = b"\\u0000"
 _SPACE = b" \t\r\n"
 _PROBE = 64  # bytes of the known items looked for first; the rest is then compared in place
-# The history's bounds are looked for among this many brackets, within this many bytes of either
-# end of the body (the members around it, e.g. tool schemas, may hold a few). A body whose bounds
-# are not found there is parsed whole every time; finding out costs a bounded amount.
+# The history's bounds are looked for among this many candidates (`"<field>":[` from the start, `]`
+# from the end), within this many bytes of either end (the members around the history, e.g. tool
+# schemas, may hold a few): a body whose bounds are not found there is parsed whole every time,
+# and finding out costs a bounded amount.
 _MAX_CANDIDATES = 64
 _MAX_AROUND_BYTES = 256 << 10
 
@@ -95,15 +102,17 @@ class ResendParser:
         items = (*known.items, *new) if new else known.items
         body = head
         body[field] = list(items)
-        body.update(doc)
-        if not new:
-            self._known.move_to_end(key)
-            return body
-        end = _items_end(tail, 0, b"[0", [0, *new], after=doc)
-        if end is None:
+        body.update(doc)  # a second history member after the first one wins, as in a whole parse
+        if field in doc:
             self._forget(key)
+        elif not new:
+            self._known.move_to_end(key)
         else:
-            self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items))
+            end = _items_end(tail, 0, b"[0", [0, *new], after=doc)
+            if end is None:
+                self._forget(key)
+            else:
+                self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items))
         return body
 
     def _learn(self, key: Hashable, raw: bytes, body: Any, field: str) -> None:
@@ -149,29 +158,33 @@ def _head(head: bytes, field: str) -> dict[str, Any] | None:
     return doc
 
 
+@cache
+def _member(field: str) -> re.Pattern[bytes]:
+    return re.compile(b'"' + re.escape(field.encode()) + rb'"[ \t\r\n]*:[ \t\r\n]*\[')
+
+
 def _items_start(raw: bytes, field: str) -> int | None:
-    """The offset of the history's first item: just after the `[` that `_head` accepts (and any
-    white space), tried from the body's start."""
-    lo = 0
-    for _ in range(_MAX_CANDIDATES):
-        c = raw.find(b"[", lo, _MAX_AROUND_BYTES)
-        if c < 0:
+    """The offset of the history's first item in a body: just after a `"<field>":[` that `_head`
+    accepts, and any white space."""
+    for n, m in enumerate(_member(field).finditer(raw, 0, _MAX_AROUND_BYTES)):
+        if n == _MAX_CANDIDATES:
             return None
-        lo = c + 1
-        if _head(raw[:lo], field) is not None:
-            while lo < len(raw) and raw[lo] in _SPACE:
-                lo += 1
-            return lo
+        if _head(raw[: m.end()], field) is not None:
+            start = m.end()
+            while start < len(raw) and raw[start] in _SPACE:
+                start += 1
+            return start
     return None
 
 
 def _items_end(data: bytes, start: int, lead: bytes, items: list[Any], *, after: dict[str, Any]) -> int | None:
-    """The offset in `data` just after the last history item, or None.
+    """Where the history's items, which begin at `start`, end in `data` (a whole body, or a tail
+    that goes on from known items); None when that is not found.
 
-    Candidates are the `]` from `data`'s end: one closes the history, the others sit in the members
-    after it. At the right one, `p`, `{"\\u0000":[0` + data[p:] parses to the members `after` the
-    history, and `lead + data[start:q] + "]"` (q: before any white space at p) to exactly `items`:
-    the bytes from `start` to q are those items, as a parser in the history array reads them.
+    Candidates are the `]` from the end: one closes the history, the others sit in the members
+    after it (those fail fast, leaving a closer unmatched). At the right one, `p`, `{"\\u0000":[0` +
+    data[p:] parses to the members `after` the history, and `lead + data[start:q] + "]"` (q: before
+    any white space at p) to exactly `items`: the bytes from `start` to q are those items.
     """
     hi = len(data)
     lo = max(start, len(data) - _MAX_AROUND_BYTES)

@@ -86,6 +86,18 @@ def test_members_after_the_history_with_brackets_and_a_client_key_like_the_senti
     assert parser.loads("c", dup, "messages") == orjson.loads(dup)
 
 
+def test_a_history_key_nested_before_the_history_is_not_taken_for_it() -> None:
+    """`"messages":[` inside an earlier member (nested, or inside a string) does not mislead the parser."""
+    parser = ResendParser(min_bytes=0)
+    history = [_message(i) for i in range(3)]
+    decoy = {"messages": [{"role": "user", "content": "decoy"}], "note": '"messages":[{"role":"user"}]'}
+    for _ in range(3):
+        history.append(_message(len(history)))
+        raw = orjson.dumps({"meta": decoy, "messages": history, "stream": True})
+        assert parser.loads("c", raw, "messages") == orjson.loads(raw)
+    assert parser.loads("c", raw, "messages")["messages"][0] is parser.loads("c", raw, "messages")["messages"][0]
+
+
 def test_pretty_printed_bodies_parse_exactly() -> None:
     """White space anywhere (json.dumps with an indent) changes nothing in the result."""
     parser = ResendParser(min_bytes=0)
