@@ -33,9 +33,10 @@ in place (nothing in the gateway does: the rewrite renders new lists and dicts).
 from __future__ import annotations
 
 import re
+import time
 from collections import OrderedDict
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -52,20 +53,27 @@ _PROBE = 64  # bytes of the known items looked for first; the rest is then compa
 # and finding out costs a bounded amount.
 _MAX_CANDIDATES = 64
 _MAX_AROUND_BYTES = 256 << 10
+# A conversation is learned only if that evicts none used this recently: with more long
+# conversations than the bound holds, learning each one anew (~2x a whole parse) on every request
+# and evicting the next would cost more than parsing whole; a steady set is kept instead.
+HOT_SECONDS = 30.0
 
 
 @dataclass(frozen=True, slots=True)
 class _Known:
     items_raw: bytes  # the history items' bytes, from the first one's start to the last one's end
     items: tuple[Any, ...]  # what they parse to
+    used: float  # monotonic time of the last body parsed around them
 
 
 class ResendParser:
     """`orjson.loads` that remembers, per key, the last body's history items (LRU, bounded in bytes)."""
 
-    def __init__(self, max_bytes: int = 32 << 20, min_bytes: int = 16 << 10) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, min_bytes: int = 16 << 10,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes  # smaller bodies parse in a few microseconds: not worth remembering
+        self.clock = clock
         self._known: OrderedDict[Hashable, _Known] = OrderedDict()
         self._bytes = 0
 
@@ -106,19 +114,19 @@ class ResendParser:
         if field in doc:
             self._forget(key)
         elif not new:
-            self._known.move_to_end(key)
+            self._put(key, replace(known, used=self.clock()))
         else:
             end = _items_end(tail, 0, b"[0", [0, *new], after=doc)
             if end is None:
                 self._forget(key)
             else:
-                self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items))
+                self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items, self.clock()))
         return body
 
     def _learn(self, key: Hashable, raw: bytes, body: Any, field: str) -> None:
         """Find the history's bounds in a body parsed whole, to parse only around it next time."""
         self._forget(key)
-        if not isinstance(body, dict):
+        if not isinstance(body, dict) or not self._room(len(raw)):
             return
         items = body.get(field)
         if not isinstance(items, list) or not items:
@@ -130,7 +138,21 @@ class ResendParser:
         after = {k: body[k] for k in names[names.index(field) + 1:]}
         end = _items_end(raw, start, b"[", items, after=after)
         if end is not None:
-            self._put(key, _Known(raw[start:end], tuple(items)))
+            self._put(key, _Known(raw[start:end], tuple(items), self.clock()))
+
+    def _room(self, size: int) -> bool:
+        """Would `size` more bytes fit, evicting only conversations not used for HOT_SECONDS?"""
+        free = self.max_bytes - self._bytes
+        if free >= size:
+            return True
+        stale = self.clock() - HOT_SECONDS
+        for known in self._known.values():  # least recently used first
+            if known.used > stale:
+                return False
+            free += len(known.items_raw)
+            if free >= size:
+                return True
+        return False
 
     def _put(self, key: Hashable, known: _Known) -> None:
         self._forget(key)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.resend import ResendParser
+from gateway.resend import HOT_SECONDS, ResendParser
 
 
 def _message(i: int, text: str = "") -> dict[str, Any]:
@@ -108,13 +108,21 @@ def test_pretty_printed_bodies_parse_exactly() -> None:
         assert parser.loads("c", raw, "messages") == orjson.loads(raw)
 
 
-def test_memory_is_bounded_by_the_bytes_of_the_kept_prefixes() -> None:
-    """Past `max_bytes` the least recently used conversations are forgotten (and parsed whole again)."""
-    parser = ResendParser(max_bytes=3000, min_bytes=0)
-    for k in range(10):
-        parser.loads(k, _body([_message(i, "x" * 100) for i in range(8)]), "messages")
-    assert 0 < parser._bytes <= 3000
-    assert list(parser._known) == list(range(10))[-len(parser._known):]
+def test_memory_is_bounded_and_a_hot_set_is_not_thrashed() -> None:
+    """Past `max_bytes` only conversations unused for HOT_SECONDS make room: more long conversations
+    than fit are parsed whole, and the ones kept stay kept, instead of each evicting the next."""
+    now = [0.0]
+    body = _body([_message(i, "x" * 100) for i in range(8)])
+    parser = ResendParser(max_bytes=int(len(body) * 2.5), min_bytes=0, clock=lambda: now[0])
+    for _ in range(3):
+        for k in range(4):
+            assert parser.loads(k, body, "messages") == orjson.loads(body)
+            now[0] += 1
+    assert list(parser._known) == [0, 1] and parser._bytes <= parser.max_bytes
+    now[0] += HOT_SECONDS
+    parser.loads(0, body, "messages")
+    parser.loads(3, body, "messages")  # 1 has not been used for HOT_SECONDS: it makes room
+    assert list(parser._known) == [0, 3]
 
 
 _json_value = st.recursive(
