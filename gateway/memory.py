@@ -107,7 +107,7 @@ class Memory:
         self._state_blocks: OrderedDict[tuple[bytes, str, int], tuple[str, int]] = OrderedDict()
         # (tenant, conversation, dialect) → the last request's messages and their hashes.
         self._hashes: OrderedDict[tuple[str, str, str],
-                                  tuple[tuple[dict[str, Any], ...], tuple[str, ...], tuple[str, ...]]] = OrderedDict()
+                                  tuple[list[dict[str, Any]], tuple[str, ...], tuple[str, ...]]] = OrderedDict()
         self._cache_size = 256  # conversations each in-process cache keeps
         # The embedded store has no other writer: what this process knows of it is always current.
         self.views = KnownViews(self._cache_size, live=store.embedded)
@@ -287,26 +287,25 @@ class Memory:
         """
         key = (*_key(ref), shape.dialect)
         cached = self._hashes.get(key)
-        incoming = tuple(history)
         same = 0
-        hashes: list[str] = []
-        chains: list[str] = []
         if cached is not None:
             raws, old_hashes, old_chains = cached
-            limit = min(len(raws), len(incoming))
-            if incoming[:limit] == raws[:limit]:
+            limit = min(len(raws), len(history))
+            if history[:limit] == raws[:limit]:
                 same = limit  # the usual resend, compared in one C loop
             else:
-                while same < limit and incoming[same] == raws[same]:
+                while same < limit and history[same] == raws[same]:
                     same += 1
-            hashes.extend(old_hashes[:same])
-            chains.extend(old_chains[:same])
-        fresh = [content_hash(shape, m) for m in incoming[same:]]
+            hashes, chains = list(old_hashes[:same]), list(old_chains[:same])
+        else:
+            hashes, chains = [], []
+        fresh = [content_hash(shape, m) for m in history[same:]]
         hashes += fresh
         chains += chain_hashes(fresh, prev=chains[-1] if chains else "")
-        # Tuples, not lists: the cyclic GC stops tracking a tuple of strings once it has seen it, so
-        # its full collections do not walk every cached hash.
-        _bounded_put(self._hashes, key, (incoming, tuple(hashes), tuple(chains)), self._cache_size)
+        # The hashes as tuples, not lists: the cyclic GC stops tracking a tuple of strings once it has
+        # seen it, so its full collections do not walk every cached hash. (A tuple of message dicts
+        # stays tracked like a list would, so the messages are kept as they came.)
+        _bounded_put(self._hashes, key, (history, tuple(hashes), tuple(chains)), self._cache_size)
         return hashes, chains
 
     # -- plan -------------------------------------------------------------------------------
