@@ -412,9 +412,9 @@ async def main() -> None:
                     for c in cells:
                         c.direct.add(await load(direct, c.d_work, per_round, conc))
                         if ref is not None:
-                            cpu0 = [cpu_seconds(ref.pid)]
+                            ref_cpu0 = cpu_seconds(ref.pid)
                             c.reference.add(await load(relayed, c.d_work, per_round, conc))
-                            c.ref_cpu += cpu_seconds(ref.pid) - cpu0[0]
+                            c.ref_cpu += cpu_seconds(ref.pid) - ref_cpu0
                         if memory:
                             await seed(base, c.g_work, args.settle_seconds, per_block)
                             await folds_settled(args.store)  # those the warm-up requests queued
