@@ -14,21 +14,27 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from yarl import URL
 
+from gateway import api, dashboard, paths
+from gateway.activity import Activity, Noted
 from gateway.config import Settings
 from gateway.dialects import dialect_for_path
 from gateway.logs import get_logger
+from gateway.memory import Memory
 from gateway.metrics import Metrics
 from gateway.proxy import RECORD, GatewayError, MemoryHook, Proxy, Record
+from gateway.store import Store, open_store
+from gateway.summarizer import build_summarizer
+from gateway.tokens import TokenCounter
 from gateway.transport import HTTPClient
+from gateway.worker import WorkerPool, start_workers
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger as BoundLogger
 
-    from gateway.store import Store
-
 SETTINGS = web.AppKey("settings", Settings)
-# The store (None: no store, pass-through only); typed here only, so a plain proxy never imports it.
+# The store (None: no store, pass-through only).
 STORE: web.AppKey[Store | None] = web.AppKey("store")
 HOOK: web.AppKey[MemoryHook | None] = web.AppKey("hook")
 METRICS = web.AppKey("metrics", Metrics)
@@ -36,6 +42,9 @@ HTTP: web.AppKey[HTTPClient | None] = web.AppKey("http")  # towards the upstream
 BACKGROUND: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("background")  # work that must not delay a reply
 PROXY = web.AppKey("proxy", Proxy)
 LOG: web.AppKey[BoundLogger] = web.AppKey("log")
+ACTIVITY = web.AppKey("activity", Activity)
+# The in-process fold workers (None: none run here), with the processes their fold CPU runs in.
+FOLDS: web.AppKey[WorkerPool | None] = web.AppKey("folds")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -70,11 +79,27 @@ def _error_response(request: web.Request, status: int, message: str,
                         content_type="application/json", headers=err.headers)
 
 
+async def _rerouted(request: web.Request, raw_path: str) -> tuple[web.Request, Handler]:
+    """`request` routed again by its canonical path (aiohttp routes before any middleware runs)."""
+    clone = request.clone(rel_url=URL(raw_path, encoded=True))
+    match = await request.app.router.resolve(clone)
+    match.add_app(request.app)
+    match.freeze()
+    clone._match_info = match  # what aiohttp's own dispatch sets before calling the handler
+    return clone, match.handler
+
+
 @web.middleware
 async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
     rec = Record(route=None, method=request.method, t0=perf_counter())
+    canon = paths.canonical(request.raw_path)
+    if canon is not None and canon != request.raw_path:
+        request, handler = await _rerouted(request, canon)
     request[RECORD] = rec
     try:
+        if canon is None:
+            rec.route = "unmatched"
+            raise GatewayError(400, None, "the path climbs above the root")
         response = await handler(request)
     except GatewayError as exc:
         dialect = dialect_for_path(request.path, request.headers)
@@ -98,6 +123,9 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = _error_response(request, 500, "internal gateway error")
     if rec.status != 499:
         rec.status = response.status
+    if rec.gateway is not None and rec.conversation is not None and request.app[STORE] is not None:
+        # Queued before the answer goes out, so whoever waits for the background work waits for it too.
+        _note_activity(request.app, rec, rec.gateway)
     if rec.route is not None:
         # Send the answer before the log line and metrics: they are not what the client waits for.
         # aiohttp's own prepare/write_eof after the handler are then no-ops.
@@ -116,14 +144,20 @@ def _finish(app: web.Application, rec: Record) -> None:
     total = perf_counter() - rec.t0
     gateway_s = max(total - rec.upstream_s, 0.0)
     m = app[METRICS]
-    m.requests.labels(rec.route, rec.context, str(rec.status)).inc()
+    provider = rec.provider or "none"
+    model = app[SETTINGS].model_label(rec.model) if rec.provider else "none"
+    m.requests.labels(rec.route, rec.context, str(rec.status), provider, model).inc()
     m.overhead.observe(gateway_s)
     if rec.upstream_s:
-        m.upstream.observe(rec.upstream_s)
+        m.upstream.labels(provider).observe(rec.upstream_s)
+    if rec.usage is not None:
+        m.observe_usage(provider, model, rec.usage)
     fields: dict[str, Any] = {
         "route": rec.route, "method": rec.method, "status": rec.status, "context": rec.context,
         "stream": rec.stream, "gateway_ms": round(gateway_s * 1000, 3), "upstream_ms": round(rec.upstream_s * 1000, 3),
     }
+    if rec.model is not None:
+        fields["model"] = rec.model
     if rec.conversation is not None:
         fields["conversation"] = rec.conversation
     if rec.tenant is not None:
@@ -133,9 +167,38 @@ def _finish(app: web.Application, rec: Record) -> None:
     if rec.usage is not None:
         fields["input_tokens"] = rec.usage.input_tokens
         fields["output_tokens"] = rec.usage.output_tokens
+    gw = rec.gateway
+    if gw is not None:
+        # The decision's reason comes from the memory path's x-gateway-reason when it gives one.
+        fields["reason"] = gw.get("x-gateway-reason")
+        for name in ("original", "forwarded", "saved"):
+            value = gw.get(f"x-gateway-tokens-{name}")
+            if value is not None and value.lstrip("-").isdigit():
+                fields[f"tokens_{name}"] = int(value)
+        for name in ("original", "forwarded"):
+            value = gw.get(f"x-gateway-cost-{name}")
+            if value is not None and value.isdigit():
+                fields[f"cost_{name}"] = int(value)  # expected billed input, fresh-token equivalents
+        used = gw.get("x-gateway-window-used")
+        if used is not None:
+            fields["window_used"] = float(used)
     if rec.extra:
         fields.update(rec.extra)
     app[LOG].info("request", **fields)
+
+
+def _note_activity(app: web.Application, rec: Record, gw: dict[str, str]) -> None:
+    """What the dashboard and /gateway/stats show of this request (written to the store in batches)."""
+    if rec.tenant is None or rec.conversation is None:
+        return
+    original, forwarded = (int(v) if (v := gw.get(f"x-gateway-tokens-{n}", "0")).isdigit() else 0
+                           for n in ("original", "forwarded"))
+    noted = Noted(tenant=rec.tenant, conversation=rec.conversation, project=rec.project, model=rec.model,
+                  provider=rec.provider or "",
+                  context=rec.context, reason=gw.get("x-gateway-reason"), status=rec.status,
+                  tokens_original=original, tokens_forwarded=forwarded,
+                  usd_per_mtok=app[SETTINGS].price(rec.model).input_usd_per_mtok, excerpts=rec.excerpts)
+    app[ACTIVITY].note(noted)
 
 
 def _routed(route: str, handler: Handler) -> Handler:
@@ -182,6 +245,7 @@ async def _upstream_client(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        await _flush_activity(app)
         # Background work (recording turns) may still be running: let it finish first.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(drain_background(app), timeout=30)
@@ -193,13 +257,6 @@ async def _upstream_client(app: web.Application) -> AsyncIterator[None]:
 
 async def _memory_layer(app: web.Application) -> AsyncIterator[None]:
     """The memory hook over the store, and the in-process fold workers (`memory.worker.in_process`)."""
-    # Imported here: a plain proxy (memory=False) must not depend on the memory modules.
-    from gateway.memory import Memory
-    from gateway.store import open_store
-    from gateway.summarizer import build_summarizer
-    from gateway.tokens import TokenCounter
-    from gateway.worker import start_workers
-
     settings = app[SETTINGS]
     store = app[STORE]
     owned = store is None
@@ -208,30 +265,40 @@ async def _memory_layer(app: web.Application) -> AsyncIterator[None]:
     counter = TokenCounter(settings.models)
     counter.count("warm up", settings.memory.summarizer.model)  # load the encoding now, not on a request
     hook = Memory(settings, store, counter, metrics=app[METRICS])
+    await hook.warm()
     app[HOOK] = hook
     app[PROXY].hook = hook
     pool = summarizer = None
     if settings.memory.worker.in_process:
         model = settings.memory.summarizer.model
-        # The summarizer has its own aiohttp session: folds are background work, off the hot path.
+        # The summarizer has its own HTTP client (its own pools): folds never wait on requests' connections.
         summarizer = build_summarizer(settings, lambda text: counter.count(text, model))
-        pool = start_workers(store, settings, summarizer, metrics=app[METRICS])
+        pool = app[FOLDS] = start_workers(store, settings, summarizer, metrics=app[METRICS])
     follow = asyncio.get_running_loop().create_task(hook.follow_store())
     try:
         yield
     finally:
+        await _flush_activity(app)
         follow.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follow
         # Turns are recorded in background tasks: they need the store, so they finish first.
         with contextlib.suppress(Exception):
             await asyncio.wait_for(drain_background(app), timeout=30)
+        # Turns the store could not take yet: a last chance to store them (the rest are counted, logged).
+        await hook.close(settings.server.shutdown_grace_seconds)
         if pool is not None:
-            await pool.stop()
+            await pool.stop(settings.server.shutdown_grace_seconds)
         if summarizer is not None:
             await summarizer.close()
         if owned:
             await store.close()
+
+
+async def _flush_activity(app: web.Application) -> None:
+    if app[STORE] is not None:
+        with contextlib.suppress(Exception):  # the store is gone: nothing to keep the notes in
+            await app[ACTIVITY].flush()
 
 
 def create_app(settings: Settings, *, store: Any = None, hook: MemoryHook | None = None,
@@ -250,8 +317,10 @@ def create_app(settings: Settings, *, store: Any = None, hook: MemoryHook | None
     app[METRICS] = Metrics()
     app[BACKGROUND] = set()
     app[HTTP] = None
+    app[FOLDS] = None
     app[LOG] = get_logger("gateway")
     proxy = Proxy(settings, app[METRICS], hook, partial(spawn, app))
+    app[ACTIVITY] = Activity(lambda: app[STORE], partial(spawn, app))
     app[PROXY] = proxy
     app.cleanup_ctx.append(_upstream_client)
     if hook is None and memory and settings.memory.enabled:
@@ -277,21 +346,24 @@ def create_app(settings: Settings, *, store: Any = None, hook: MemoryHook | None
     r.add_get("/readyz", readyz, allow_head=False)
     r.add_get("/metrics", metrics, allow_head=False)
     _conversation_api(app)
+    dashboard.add_routes(app)
+    # Everything else under /v1, OpenAI's own Conversations API (/v1/conversations…) included.
     r.add_route("*", "/v1/{tail:.*}", forward("/v1/*"))
     return app
 
 
 def _conversation_api(app: web.Application) -> None:
-    from gateway import api  # the conversation routes; they answer 404 while no store is set
-
+    # The conversation routes answer 404 while no store is set.
     def count(text: str) -> int:
         hook = app[HOOK]
         tokens = getattr(hook, "tokens", None)
         return tokens.count(text) if tokens is not None else len(text) // 4
 
-    conversations = api.ConversationAPI(app, app[SETTINGS], STORE, HOOK, count)
+    conversations = api.ConversationAPI(app, app[SETTINGS], STORE, HOOK, count, activity_key=ACTIVITY,
+                                         metrics_key=METRICS)
     for route, method, handler in api.routes(conversations):
-        app.router.add_route(method, route, _routed("/v1/conversations", handler))
+        name = "/gateway/stats" if route.endswith("/stats") else "/gateway/conversations"
+        app.router.add_route(method, route, _routed(name, handler))
 
 
 async def _bind_hook(app: web.Application) -> None:

@@ -12,6 +12,7 @@ Two modes, decided by the configuration:
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ class Identity:
     tenant: str
     # The provider credential to forward when no upstream key is configured; never a gateway key.
     credential: str | None
+    # No credential at all (forward mode): nothing to scope memory by, so none is kept.
+    anonymous: bool = False
 
 
 def presented_credential(headers: Mapping[str, str]) -> str | None:
@@ -64,6 +67,7 @@ class Authenticator:
     def __init__(self, settings: Settings) -> None:
         self._tenants = {_digest(k.key): k.tenant for k in settings.auth.keys}
         self.required = bool(self._tenants) or settings.requires_client_keys()
+        self._admin = _digest(settings.auth.admin_token) if settings.auth.admin_token else None
         # A client sends the same credential on every request: hash it once, not per request.
         self._derived: dict[str, str] = {}
 
@@ -80,8 +84,11 @@ class Authenticator:
 
     def identify(self, headers: Mapping[str, str]) -> Identity:
         credential = presented_credential(headers)
+        if credential and self._admin and hmac.compare_digest(_digest(credential), self._admin):
+            # Never forwarded upstream as a provider key, nor taken as a tenant's credential.
+            raise AuthError("the admin token serves the conversation API only")
         if not self.required:
-            return Identity(self._tenant_of(credential), credential)
+            return Identity(self._tenant_of(credential), credential, anonymous=credential is None)
         explicit = headers.get(GATEWAY_KEY_HEADER)
         key = explicit.strip() if explicit else credential
         tenant = self._tenants.get(_digest(key)) if key else None

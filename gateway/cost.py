@@ -1,11 +1,12 @@
 """Forward the full history or the rewrite, whichever the provider will bill less.
 
-Providers bill a prompt's cached prefix at about a tenth of fresh input (`pricing.cache_read_factor`)
-and a newly cached part at a premium (`cache_write_factor`). A full history resent to a warm cache
-is cheap per request (0.1 x history), while a rewrite pays fresh input for its excerpts every
-request and rewrites its cached prefix after every fold. So below some history size the full
-history is the cheaper request, above it the rewrite is. This module decides, from what was
-forwarded last in the conversation and whether that cache is still warm.
+Providers bill a prompt's cached prefix at a fraction of fresh input (`pricing.<model>.cache_read`:
+0.1 for Anthropic and gpt-5, 0.25 for gpt-4.1, 0.5 for gpt-4o) and a newly cached part at a premium
+on Anthropic (`cache_write` 1.25, none on OpenAI). A full history resent to a warm cache is cheap
+per request, while a rewrite pays fresh input for its excerpts every request and rewrites its cached
+prefix after every fold. So below some history size the full history is the cheaper request, above
+it the rewrite is; where that size lies depends on the model's prices. This module decides, from
+what was forwarded last in the conversation and whether that cache is still warm.
 
 The comparison looks a few requests ahead (`horizon`): switching from full to rewritten costs one
 cold write of the rewrite, which the cheaper requests after it must pay back; a greedy next-request
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from gateway.config import PriceSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,26 +49,55 @@ class Prices:
     read: float = 0.1  # cached prefix, per token, in fresh-input equivalents
     write: float = 1.25  # the uncached rest (written to the cache for the next request)
     ttl: float = 300.0  # seconds a provider keeps a prompt cache warm
+    min_tokens: int = 0  # a shorter prefix is never cached (OpenAI and Anthropic: 1,024)
+
+
+DEFAULT_PRICES = Prices()
+
+
+def prices(p: PriceSettings, *, one_hour: bool = False) -> Prices:
+    """A model's cache prices; `one_hour`: the request asks Anthropic for its 1-hour cache."""
+    if one_hour and p.provider == "anthropic":
+        return Prices(read=p.cache_read, write=p.cache_write_1h, ttl=max(p.cache_ttl_seconds, 3600.0),
+                      min_tokens=p.cache_min_tokens)
+    return Prices(read=p.cache_read, write=p.cache_write, ttl=p.cache_ttl_seconds, min_tokens=p.cache_min_tokens)
 
 
 def warm(last: Forwarded | None, now: float, prices: Prices) -> bool:
-    return last is not None and now - last.at <= prices.ttl
+    return last is not None and prices.ttl > 0 and now - last.at <= prices.ttl
+
+
+def cached(items: Sequence[str], tokens: Sequence[int], last: Forwarded | None, now: float, prices: Prices) -> int:
+    """Tokens of `items` the provider is expected to read from its cache: the common prefix with the
+    last request, when that is still warm and long enough to be cached."""
+    if last is None or not warm(last, now, prices):
+        return 0
+    common = 0
+    for mine, theirs in zip(items, last.items, strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    hit = sum(tokens[:common])
+    return hit if hit >= prices.min_tokens else 0
 
 
 def billed(items: Sequence[str], tokens: Sequence[int], last: Forwarded | None, now: float,
            prices: Prices) -> float:
     """What sending `items` now would be billed: the common prefix with the last request is read
     from the cache when that is still warm, the rest is written."""
-    total = sum(tokens)
-    if last is None or not warm(last, now, prices):
-        return prices.write * total
-    common = 0
-    for mine, theirs in zip(items, last.items, strict=False):
-        if mine != theirs:
-            break
-        common += 1
-    cached = sum(tokens[:common])
-    return prices.read * cached + prices.write * (total - cached)
+    hit = cached(items, tokens, last, now, prices)
+    return prices.read * hit + prices.write * (sum(tokens) - hit)
+
+
+def cached_full(system: tuple[str, int], history_tokens: int, chains: Sequence[str], last: Forwarded | None,
+                now: float, prices: Prices) -> int:
+    """Tokens of the full history the provider is expected to read from its cache (`billed_full`)."""
+    if last is None or not warm(last, now, prices) or not last.items or last.items[0] != system[0]:
+        return 0
+    hit = system[1]
+    if last.full and 0 < last.length <= len(chains) and chains[last.length - 1] == last.items[1]:
+        hit = last.total
+    return hit if hit >= prices.min_tokens else 0
 
 
 def billed_full(system: tuple[str, int], history_tokens: int, chains: Sequence[str], last: Forwarded | None,
@@ -73,14 +105,10 @@ def billed_full(system: tuple[str, int], history_tokens: int, chains: Sequence[s
     """What the full history would be billed now. `chains`: this request's chain hashes, by which a
     previous full request is recognised as a prefix of this one."""
     total = system[1] + history_tokens
-    if not cacheable:
+    if not cacheable or total < prices.min_tokens:
         return float(total)
-    if last is None or not warm(last, now, prices) or not last.items or last.items[0] != system[0]:
-        return prices.write * total
-    cached = system[1]
-    if last.full and 0 < last.length <= len(chains) and chains[last.length - 1] == last.items[1]:
-        cached = last.total
-    return prices.read * cached + prices.write * (total - cached)
+    hit = cached_full(system, history_tokens, chains, last, now, prices)
+    return prices.read * hit + prices.write * (total - hit)
 
 
 def full_record(system: tuple[str, int], length: int, chain: str, history_tokens: int, now: float) -> Forwarded:
@@ -102,8 +130,11 @@ def choose(*, full_now: float, rewrite_now: float, full_total: int, rewrite_tota
     tokens); a rewritten one re-reads its stable part and writes its `volatile` part (excerpts and
     the newest turn) again. Ties go to the rewrite: smaller requests are faster too.
     """
+    full_cacheable = full_cacheable and full_total >= prices.min_tokens
     steady_full = prices.read * full_total + prices.write * new if full_cacheable else float(full_total)
-    steady_rewrite = prices.read * max(rewrite_total - volatile, 0) + prices.write * volatile
+    stable = max(rewrite_total - volatile, 0)
+    steady_rewrite = (prices.read * stable + prices.write * volatile if stable >= prices.min_tokens
+                      else float(rewrite_total))
     later = max(horizon - 1, 0)
     full_cost = full_now + later * steady_full
     rewrite_cost = rewrite_now + later * steady_rewrite

@@ -20,13 +20,17 @@ the cap forces another compression.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol, TypeVar
 
-from gateway.model import Turn
+from gateway import timeline
+from gateway.model import Message
+from gateway.rewrite import align_boundary
+from gateway.state import Ledger
 
 Count = Callable[[str], int]
 T = TypeVar("T")
@@ -47,7 +51,7 @@ class Summarizer(Protocol):
     budget_tokens: int  # most input tokens one call may take (chunks are cut to fit)
     local: bool  # CPU only, its coroutines never wait: a fold of it can run whole in a thread (run_local)
 
-    async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
+    async def summarize(self, previous: str, turns: Sequence[Message], start: int, *,
                         max_tokens: int) -> SummaryResult:
         """The summary of (previous summary, turns [start, start+len)) within max_tokens."""
         ...
@@ -55,6 +59,13 @@ class Summarizer(Protocol):
     async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
         """A shorter, higher-level version of `text` within max_tokens, keeping durable facts."""
         ...
+
+    async def update_state(self, ledger: Ledger, turns: Sequence[Message], start: int, *,
+                           now: str | None = None) -> tuple[Ledger, int, int]:
+        """The project state with what turns [start, start+len) establish; tokens in and out."""
+        ...
+
+    async def close(self) -> None: ...
 
 
 # -- trigger ----------------------------------------------------------------------------------
@@ -70,18 +81,16 @@ def should_fold(*, length: int, covers: int, keep_recent: int, fold_batch: int,
     return aged_tokens is not None and fold_tokens is not None and aged_tokens >= fold_tokens
 
 
-def fold_target(shape: object, turns: Sequence[Turn], start: int, *, keep_recent: int, fold_batch: int,
+def fold_target(dialect: object, turns: Sequence[Message], start: int, *, keep_recent: int, fold_batch: int,
                 fold_tokens: int, urgent: bool = False) -> int | None:
     """The new coverage end for a fold over messages [start, start+len(turns)), or None: no fold now.
 
     `turns` are the messages after the current summary (`start` = its coverage). Everything but the
     newest `keep_recent` messages has aged out; a fold is due when those reach `fold_batch` messages
     or `fold_tokens` tokens, or at once when `urgent` (the hard budget was hit). The end is moved
-    back to a turn start with no tool group split (`context.align_boundary`), so the window the
+    back to a turn start with no tool group split (`rewrite.align_boundary`, the request path's rule), so the window the
     request path keeps always begins with a whole turn.
     """
-    from gateway.context import align_boundary  # the request path's rule, one definition
-
     length = start + len(turns)
     end = length - keep_recent
     aged = end - start
@@ -90,16 +99,16 @@ def fold_target(shape: object, turns: Sequence[Turn], start: int, *, keep_recent
     aged_tokens = sum(t.tokens for t in turns[:aged])
     if not (urgent or aged >= fold_batch or aged_tokens >= fold_tokens):
         return None
-    target = align_boundary(shape, [t.raw for t in turns], start, end)  # type: ignore[arg-type]
+    target = align_boundary(dialect, [t.raw for t in turns], start, end)  # type: ignore[arg-type]
     return target if target > start else None
 
 
 # -- chunking ---------------------------------------------------------------------------------
 
-def chunk_turns(turns: Sequence[Turn], budget_tokens: int) -> list[list[Turn]]:
+def chunk_turns(turns: Sequence[Message], budget_tokens: int) -> list[list[Message]]:
     """Consecutive groups whose tokens fit `budget_tokens` (a larger single message is its own group)."""
-    chunks: list[list[Turn]] = []
-    current: list[Turn] = []
+    chunks: list[list[Message]] = []
+    current: list[Message] = []
     used = 0
     for turn in turns:
         if current and used + turn.tokens > budget_tokens:
@@ -228,14 +237,16 @@ async def cap_summary(text: str, max_tokens: int, summarizer: Summarizer,
 
 # -- the fold itself ------------------------------------------------------------------------------
 
-async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Turn], start: int, *,
-                       max_tokens: int) -> SummaryResult:
+async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Message], start: int, *,
+                       max_tokens: int, timeline_tokens: int = 0) -> SummaryResult:
     """new summary = fold(previous summary, newly aged messages), chunked to the summarizer's budget.
 
     Only the Recent section is rewritten with the new messages; the cap is applied after each
-    chunk, so no intermediate summary grows without bound either.
+    chunk, so no intermediate summary grows without bound either. The timeline ahead of it
+    (timeline.py: a line per session, within `timeline_tokens`; 0 leaves it as it is) is
+    extended locally, whatever the summarizer: off the event loop unless already off it.
     """
-    text = previous
+    lines, text = timeline.parse(previous)
     tokens_in = tokens_out = 0
     # The previous summary rides along in every call: the rest of the budget is for messages.
     budget = max(256, summarizer.budget_tokens - max_tokens)
@@ -250,7 +261,18 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Tu
         tokens_out += capped.tokens_out
         text = capped.text
         position += len(chunk)
-    return SummaryResult(text, tokens_in, tokens_out)
+    if timeline_tokens > 0 and turns:
+        def extended() -> list[timeline.Line]:
+            return timeline.cap(timeline.extend(lines, turns, start), timeline_tokens, summarizer.count)
+
+        lines = extended() if summarizer.local else await asyncio.to_thread(extended)
+    return SummaryResult(timeline.compose(lines, text), tokens_in, tokens_out)
+
+
+def slim(turns: Sequence[Message]) -> list[Message]:
+    """The messages as a summarizer reads them (role, text, tokens, time): without `raw`, the bulk of
+    a message, when they are sent to a fold process."""
+    return [Message(raw={}, role=t.role, text=t.text, tokens=t.tokens, hash="", time=t.time) for t in turns]
 
 
 def run_local(coro: Coroutine[Any, Any, T]) -> T:

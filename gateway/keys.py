@@ -9,22 +9,67 @@ Layout of one conversation (`<T>` = `gw:{tenant:conv}`):
 
 | key | type | holds |
 |---|---|---|
-| `<T>:meta` | hash | `d` dialect, `f` hash of msg 0, `l` last chain, `k` tokens total, `q` fold queued at (ms) |
-| `<T>:msgs` | list | one JSON record per message (see store.py) |
+| `<T>:meta` | hash | `META_*` fields below |
+| `<T>:msgs` | list | one JSON record per message (`RECORD_*` members below) |
 | `<T>:chains` | list | chain hash of each message, parallel to `msgs` |
-| `<T>:summary` | hash | `v` version, `x` text, `n` covers, `k` tokens, `c` chain, `e` edited |
-| `<T>:stats` | hash | integer counters |
-| `<T>:state` | hash | `j` ledger JSON, `v` version (when the conversation has no project) |
+| `<T>:summary` | hash | `SUMMARY_*` fields below |
+| `<T>:stats` | hash | integer counters by name |
+| `<T>:state` | hash | `STATE_*` fields below (when the conversation has no project) |
 | `<T>:lock` | string | the fold worker's per-conversation lock |
 
 A project's state is shared by its conversations: `gw:{tenant:p:project}:state` (its own slot: the
-conversation tag holds exactly one `:`, a project tag two, so they can never collide).
+conversation tag holds exactly one `:`, a project tag two, so they can never collide). Fold jobs go
+on the stream `<prefix>:folds` (entries: `JOB_*` fields), read by the consumer group `fold-workers`;
+edits and folds are announced on the channel `<prefix>:changes`.
+
+Field names are one letter: they are stored with every conversation and every message. The store's
+Lua scripts use these constants too (lua.py fills them in).
+
+What the dashboard and `/gateway/stats` read is kept per tenant, under the tag `gw:{t:<tenant>}`
+(a leading `t:` and no second `:`, so it collides with neither a conversation nor a project):
+`:convs` (sorted set: conversation id by last use), `:last` (hash: conversation id to the last
+request's decision, JSON), `:totals` (hash of counters), `:series:<yyyymmdd>` (hash:
+`<minute>:<counter>` to an integer, expiring after a week), `:recent` (list: the newest requests'
+`[time, tokens original, forwarded, cost original, cost forwarded]`, capped). `gw:tenants` (sorted set) lists the
+tenants by last use, for the admin token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+# <T>:meta
+META_DIALECT = "d"  # the dialect the conversation is stored in
+META_FIRST_HASH = "f"  # content hash of message 0
+META_LAST_CHAIN = "l"  # chain hash of the last message
+META_TOKENS = "k"  # tokens of all stored messages
+META_FOLD_QUEUED = "q"  # when a fold job was queued (ms since the epoch); absent: none queued
+# <T>:summary
+SUMMARY_VERSION = "v"  # bumped by every commit, edit or drop; folds commit by CAS on it
+SUMMARY_TEXT = "x"
+SUMMARY_COVERS = "n"  # the summary stands for messages [0, covers)
+SUMMARY_TOKENS = "k"
+SUMMARY_CHAIN = "c"  # chain hash of message covers-1
+SUMMARY_EDITED = "e"  # "1": written by hand through the API
+SUMMARY_FOLDED_AT = "t"  # unix seconds of the last fold commit (the dashboard's "last fold")
+# <T>:state and a project's state
+STATE_LEDGER = "j"  # the ledger as JSON
+STATE_VERSION = "v"
+# a message record in <T>:msgs (JSON; "k" first so Lua reads the tokens with one anchored match,
+# "c" last because the append script computes it and splices it in)
+RECORD_TOKENS = "k"
+RECORD_HASH = "h"
+RECORD_ROLE = "o"
+RECORD_TIME = "t"
+RECORD_TEXT = "x"
+RECORD_RAW = "r"
+RECORD_CHAIN = "c"
+# a fold job's stream entry
+JOB_TENANT = "t"
+JOB_CONVERSATION = "c"
+JOB_PROJECT = "p"
+JOB_URGENT = "u"
 
 # Characters that would break or alias the hash tag / the `:`-separated key structure.
 _RESERVED = frozenset("{}%:")
@@ -56,7 +101,9 @@ class Keys:
     """Builds key names under one prefix (`store.key_prefix`)."""
 
     FOLD_GROUP: ClassVar[str] = "fold-workers"
-    CONVERSATION_PARTS: ClassVar[tuple[str, ...]] = ("meta", "msgs", "chains", "summary", "stats", "state")
+    # `branches` and `abandoned`: what a branch took off the history (store.branch), kept, never deleted.
+    CONVERSATION_PARTS: ClassVar[tuple[str, ...]] = ("meta", "msgs", "chains", "summary", "stats", "state",
+                                                     "branches", "abandoned")
 
     def __init__(self, prefix: str = "gw") -> None:
         if not prefix or "{" in prefix or "}" in prefix:
@@ -94,6 +141,12 @@ class Keys:
     def stats(self, ref: ConvRef) -> str:
         return self.conv(ref, "stats")
 
+    def branches(self, ref: ConvRef) -> str:
+        return self.conv(ref, "branches")
+
+    def abandoned(self, ref: ConvRef) -> str:
+        return self.conv(ref, "abandoned")
+
     def project_state(self, ref: ConvRef) -> str:
         """The state ledger: the project's when `ref.project` is set, else the conversation's own."""
         if ref.project:
@@ -114,6 +167,13 @@ class Keys:
 
     def fold_stream(self) -> str:
         return f"{self.prefix}:folds"
+
+    def tenant(self, tenant: str, part: str) -> str:
+        """A tenant's own key (`convs`, `last`, `totals`, `series:<day>`): one hash slot per tenant."""
+        return f"{self.prefix}:{{t:{enc(tenant)}}}:{part}"
+
+    def tenants(self) -> str:
+        return f"{self.prefix}:tenants"
 
     def changes(self) -> str:
         """The pub/sub channel on which edits and deletes are announced to every replica."""

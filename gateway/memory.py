@@ -1,39 +1,85 @@
-"""The memory path: identify → load → reconcile → plan → render; after the reply, record.
+"""The memory path: identify → load → reconcile → plan → render → forward; after the reply, record.
 
 `Memory.prepare` is the proxy's hook. It is the only module that knows the store, the rewrite
 rules, retrieval and token counting together; each of those is a plain module of its own. Nothing
 here blocks on a summarizer: folds are queued and done by the workers.
+
+A request answered while the store could not take its turn (busy past `store.pool_wait_seconds`,
+or unreachable; the request then went upstream unchanged, "degraded") is not dropped: its turn is
+queued in `backlog.py` and stored once the store accepts it, reconciled with what is stored by then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import time
-from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from hashlib import blake2b
 from typing import Any
 
 import orjson
 import structlog
 
-from gateway import context, cost, fold, state
+from gateway import cost, fold, paths, rewrite, state, validate
+from gateway.backlog import Backlog
+from gateway.caches import Blocks, ConversationCaches, conv_key
 from gateway.config import Settings
+from gateway.dialects import Dialect, content_hash
+from gateway.embed import Embedder
+from gateway.follow import Follower
 from gateway.keys import ConvRef
-from gateway.model import ConversationView, Plan, Summary, Turn, Usage
+from gateway.model import ConversationView, Message, Plan, Usage
 from gateway.proxy import Call, GatewayError, Prepared
 from gateway.recall import RecallCache
-from gateway.reconcile import Decision, chain_hashes, reconcile
-from gateway.shape import Shape, content_hash, shape_for
-from gateway.store import AppendResult, Store, StoreUnavailable
+from gateway.reconcile import AUTO_DELTA_MAX, Decision, HistoryMode, chain_hashes, reconcile
+from gateway.store import AppendResult, Store, StoreBusy, StoreUnavailable, patient
 from gateway.tokens import TokenCounter
-from gateway.views import KnownViews, advance, rebase, with_summary
 
 log = structlog.get_logger("gateway.memory")
 
 MEMORY_DIALECTS = frozenset({"openai_chat", "openai_responses", "anthropic"})
+# x-gateway-reason of a request degraded because every store connection stayed busy (back-pressure);
+# an unreachable store gives rewrite.DEGRADED.
+STORE_BUSY = "store-busy"
+# Decisions a recording may take when the store moved on meanwhile (each on a fresh load); the
+# last one takes a diverging history as its own branch, never as a sibling, and a branch keeps
+# what it moves aside: every turn is stored, on the branch it was sent on.
+RECORD_ATTEMPTS = 4
+
+
+class _Queued(StoreUnavailable):
+    """Turns of the conversation wait in the retry queue: a later one is queued behind them."""
+
+
+class _Contended(StoreUnavailable):
+    """The conversation moved on under every attempt to record a turn: the retry queue tries later."""
+
+
+# An Anthropic request asking for the 1-hour prompt cache (priced apart: `cache_write_1h`).
+_ONE_HOUR = re.compile(rb'"ttl"\s*:\s*"1h"')
+_UNPRICED_NOTED = 256  # model names warned about once each, at most this many
+_LEARN = 0.3  # weight of the newest observation in a model's cache hit rate
+_LONGEST_TTL = 3600.0  # a cache observed to outlive its configured lifetime is believed up to this
+# A miss on a shorter expected prefix says little: both major providers cache nothing under 1,024
+# tokens, whatever a pricing entry says.
+_CALIBRATE_MIN = 1024
+
+
+@dataclass(slots=True)
+class _CacheBelief:
+    """What upstream usage taught about one model's prompt cache, beyond its configured prices.
+
+    hit: moving average of the share of the expected cached prefix the provider reported as read
+    (1.0 until told otherwise; an OpenAI-compatible server that never caches drives it to 0).
+    ttl: the longest idle gap after which the provider still reported a cached read."""
+
+    hit: float = 1.0
+    ttl: float = 0.0
 
 
 @dataclass(slots=True)
@@ -41,22 +87,57 @@ class _Request:
     """What prepare learned, carried to the recording step."""
 
     ref: ConvRef
-    shape: Shape
+    dialect: Dialect
     model: str | None
     view: ConversationView
     decision: Decision
     incoming: list[dict[str, Any]]
     hashes: list[str]
     chains: list[str]
-    new_turns: list[Turn]  # incoming messages not stored yet, in order
+    new_messages: list[Message]  # incoming messages not stored yet, in order
     plan: Plan | None
     system_hash: str = ""
     summarizer_charge: int = 0  # summarizer tokens deducted from this request's savings
     known: bool = False  # planned from the view this process knew, not from a load
     arrived: float = 0.0
+    when: str | None = None  # the client's time for the new turns (X-Message-Time), else the clock's
+    body_bytes: int = 0  # of the request's body: what a deferred recording of it holds, roughly
+    cost_original: float = 0.0  # expected billed input, fresh-token equivalents (cost.py)
+    cost_forwarded: float = 0.0
+    window_used: float = 0.0  # share of the model's context window the forwarded request takes
+    # For calibration from the reply's usage: the prices used, the tokens expected to be read from
+    # the provider's cache and of the whole forwarded request, and the idle gap since the last one.
+    prices: cost.Prices | None = None
+    expected_cached: int = 0
+    expected_total: int = 0
+    gap: float | None = None
 
 
-_clock: tuple[int, str] = (0, "")  # (second, its ISO text): turns arriving in one second share it
+@dataclass(slots=True)
+class _Late:
+    """A request whose turns the store did not take when it was answered: what storing them later needs."""
+
+    ref: ConvRef
+    dialect: Dialect
+    model: str | None
+    incoming: list[dict[str, Any]]
+    hashes: list[str]
+    chains: list[str]
+    arrived: float
+    sent: str  # when its new messages arrived (their stored time)
+    reply: list[Message]
+    stats: dict[str, int]
+    plan: Plan | None = None
+    summarizer_charge: int = 0
+    weight: int = 0  # bytes it holds (the retry queue's byte bound)
+
+
+# A parsed body weighs 1.3x (long strings) to 9x (many small parts) its JSON (resend.held): the
+# retry queue charges an entry this many times its request's body.
+_HELD_PER_BODY_BYTE = 4
+
+
+_clock: tuple[int, str] = (0, "")  # (second, its ISO text): messages arriving in one second share it
 
 
 def _now() -> str:
@@ -71,17 +152,61 @@ def _digest(text: str) -> str:
     return blake2b(text.encode(), digest_size=12).hexdigest()
 
 
-def _key(ref: ConvRef) -> tuple[str, str]:
-    """The in-process caches' key for a conversation."""
-    return (ref.tenant, ref.conversation)
+def _check(dialect: Dialect, body: dict[str, Any], history: list[dict[str, Any]], same: int) -> None:
+    """The caller's 400 for a history of the wrong JSON types (`validate.py`), read before anything
+    else reads it; its first `same` messages were checked in an earlier request."""
+    lead = len(body.get(dialect.history_field) or ()) - len(history)  # OpenAI chat's leading system messages
+    why = validate.problem(dialect.name, body, range(lead, lead + same))
+    if why is not None:
+        raise GatewayError(400, None, f"invalid request: {why}")
 
 
-def _bounded_put(cache: OrderedDict[Any, Any], key: Any, value: Any, limit: int) -> None:
-    """Insert or refresh `key` as most recent, evicting the least recent past `limit`."""
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > limit:
-        cache.popitem(last=False)
+def _resends_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
+    """A short request with an assistant message in it is a whole history (one that starts elsewhere
+    than the stored one: a client's fork), not a delta client's new turns: those are its user
+    message or tool results, the replies being stored already. Storing it after the stored history
+    would store its resent turns twice. Only short requests can be taken for deltas: bounded."""
+    return len(history) <= AUTO_DELTA_MAX and any(dialect.role(m) == "assistant" for m in history)
+
+
+def _sent(req: _Request) -> str:
+    """When the request's new messages arrived, as stored."""
+    return req.new_messages[0].time if req.new_messages and req.new_messages[0].time else _now()
+
+
+def _own(new: list[Message], reply: list[Message]) -> int:
+    """How many of a recording's last turns are the request's own: the reply, and the new messages
+    after the last assistant message it resent (its user turn, tool results); before that, history."""
+    own = len(reply)
+    for turn in reversed(new):
+        if turn.role == "assistant":
+            break
+        own += 1
+    return own
+
+
+def _usage_stats(usage: Usage) -> dict[str, int]:
+    """A request's stats from what the upstream reported."""
+    return {"requests": 1, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+            "cache_read_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens}
+
+
+TIME_HEADER = "X-Message-Time"
+
+
+def _client_time(headers: Any) -> str | None:
+    """The time the client gives this request's new turns (`X-Message-Time`, ISO 8601: a replay
+    or an import of an older conversation), as UTC `YYYY-MM-DDTHH:MM:SS`; None when not sent."""
+    value = str(headers.get(TIME_HEADER, "") or "").strip()
+    if not value:
+        return None
+    try:
+        when = datetime.fromisoformat(value[:64])
+        if when.tzinfo is not None:
+            when = when.astimezone(UTC).replace(tzinfo=None)  # OverflowError at the calendar's ends
+    except (ValueError, OverflowError):
+        raise GatewayError(400, None, f"invalid request: {TIME_HEADER} must be an ISO 8601 time") from None
+    return when.strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def _header(headers: Any, names: Sequence[str]) -> str | None:
@@ -101,87 +226,83 @@ class Memory:
         self.store = store
         self.tokens = tokens
         self.metrics = metrics
-        self.recall = recall or RecallCache()
-        self._system_tokens: OrderedDict[int, int] = OrderedDict()
-        # (ledger digest, encoding, state budget) -> (state block, its tokens)
-        self._state_blocks: OrderedDict[tuple[bytes, str, int], tuple[str, int]] = OrderedDict()
-        # (tenant, conversation, dialect) → the last request's messages and their hashes.
-        self._hashes: OrderedDict[tuple[str, str, str],
-                                  tuple[list[dict[str, Any]], tuple[str, ...], tuple[str, ...]]] = OrderedDict()
-        self._cache_size = 256  # conversations each in-process cache keeps
         # The embedded store has no other writer: what this process knows of it is always current.
-        self.views = KnownViews(self._cache_size, live=store.embedded)
-        self._refreshing: dict[tuple[str, str], asyncio.Task[None]] = {}  # reloads after a fold elsewhere
-        store.on_commit(self._committed)
-        # What each conversation's last request carried, for the prompt-cache cost model.
-        self._forwarded: OrderedDict[tuple[str, str], cost.Forwarded] = OrderedDict()
-        # (tenant, conversation) → recent (start, stop, replied at) of the turns this process stored:
-        # tells a concurrent sibling request from an edit (see `_siblings`).
-        self._stored_runs: OrderedDict[tuple[str, str], list[tuple[int, int, float]]] = OrderedDict()
-        self._storing: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (turns, replied at) in flight
+        self.caches = ConversationCaches(256, live=store.embedded, recall=recall)
+        if settings.memory.retrieval.embeddings and self.caches.recall.embedder is None:
+            self.caches.recall.embedder = Embedder()  # numpy and onnxruntime are imported at first use
+        self.blocks = Blocks(settings.memory, tokens)
+        self.follower = Follower(store, self.caches.views, settings.memory.keep_initial)
+        self.backlog = Backlog(settings.store.retry_queue_size, max_bytes=settings.store.retry_queue_bytes,
+                               metrics=metrics)
+        # The cost model's clock (monotonic seconds): tests and replays substitute their own.
+        self.clock = time.monotonic
+        self._unpriced: set[str] = set()
+        # (upstream, pricing entry) → what usage taught about its cache; bounded by the pricing table.
+        self._beliefs: dict[tuple[str, str], _CacheBelief] = {}
+        for name in settings.unpriced_models():
+            self._warn_unpriced(name, "configured")
+
+    def _warn_unpriced(self, model: str, where: str) -> None:
+        """One warning per model name `pricing` does not know: its costs are guesses."""
+        if model in self._unpriced or len(self._unpriced) >= _UNPRICED_NOTED:
+            return
+        self._unpriced.add(model)
+        log.warning("pricing.unknown_model", model=model, seen=where,
+                    message=f"model {model!r} matches no pricing entry: priced as pricing.default (no price, no "
+                            "prompt caching assumed, so over the thresholds it is always rewritten); add a "
+                            f"pricing.<name> entry for it")
+
+    def prices(self, model: str | None, dialect: Dialect, raw: bytes) -> cost.Prices:
+        """The request's model's cache prices (Anthropic's 1-hour cache when the request asks for it)."""
+        if model and not self.settings.priced(model):
+            self._warn_unpriced(model, "request")
+        one_hour = dialect.name == "anthropic" and _ONE_HOUR.search(raw) is not None
+        base = cost.prices(self.settings.price(model), one_hour=one_hour)
+        belief = self._beliefs.get((dialect.upstream, self.settings.price_key(model)))
+        if belief is None:
+            return base
+        # A cached token is read at `read` when the provider does hit, written again when it does not.
+        return replace(base, read=belief.hit * base.read + (1 - belief.hit) * base.write,
+                       ttl=max(base.ttl, belief.ttl))
+
+    def _calibrate(self, req: _Request, usage: Usage) -> None:
+        """Correct the model's cache belief from what the provider reported it read from its cache
+        (OpenAI `cached_tokens`, Anthropic `cache_read_input_tokens`)."""
+        prices = req.prices
+        if prices is None or req.plan is None or usage.input_tokens <= 0 or req.expected_total <= 0:
+            return
+        belief = self._beliefs.setdefault((req.dialect.upstream, self.settings.price_key(req.model)), _CacheBelief())
+        if req.expected_cached >= _CALIBRATE_MIN:
+            # Shares, not counts: the provider's tokenizer is not the gateway's.
+            seen = min(1.0, usage.cache_read_tokens / usage.input_tokens)
+            expected = req.expected_cached / req.expected_total
+            belief.hit = (1 - _LEARN) * belief.hit + _LEARN * min(1.0, seen / expected)
+        elif usage.cache_read_tokens > 0 and req.gap is not None and req.gap > prices.ttl:
+            belief.ttl = min(max(belief.ttl, req.gap), _LONGEST_TTL)
+
+    async def warm(self) -> None:
+        """Load what the first requests would otherwise wait for (start-up)."""
+        if self.caches.recall.embedder is not None:
+            await self.caches.recall.embedder.warm()
+
+    async def close(self, grace: float) -> None:
+        """Give the turns still waiting for the store up to `grace` seconds to be stored (backlog.py),
+        then stop background embedding."""
+        await self.backlog.close(grace)
+        if self.caches.recall.embedder is not None:
+            await self.caches.recall.embedder.close()
 
     def forget(self, ref: ConvRef) -> None:
         """Drop what this process caches about a deleted conversation."""
-        conv = _key(ref)
-        self.views.drop(ref)
-        self.recall.forget(conv)
-        for key in [k for k in self._hashes if k[:2] == conv]:
-            del self._hashes[key]
-        for cache in (self._forwarded, self._stored_runs, self._storing):
-            cache.pop(conv, None)
+        self.caches.forget(ref)
 
     def changed(self, ref: ConvRef, kind: str = "edited") -> None:
-        """`ref` was edited or deleted ("edited"), here or on another replica: its next request loads.
-        Another process folded it ("folded"): what this process knows of it is reloaded now, in the
-        background, rather than after its next request (views.py)."""
-        if kind != "folded":
-            self.views.drop_project(ref)  # a state edit concerns every conversation of the project
-            return
-        key = _key(ref)
-        if key in self._refreshing or not self.views.of_project(ref):
-            return
-        task = asyncio.get_running_loop().create_task(self._refresh(ref))
-        self._refreshing[key] = task
-        task.add_done_callback(lambda _: self._refreshing.pop(key, None))
-
-    async def _refresh(self, ref: ConvRef) -> None:
-        """Reload the conversation and merge the summary, state and counters into its known view; the
-        state also into its project's other known conversations (the fold updated their shared state)."""
-        try:
-            loaded = await self.store.load(ref, head=self.settings.memory.keep_initial)
-        except StoreUnavailable:
-            self.views.drop_project(ref)
-            return
-        self.views.update(ref, lambda known: rebase(known, loaded))
-        if ref.project and loaded.state is not None:
-            self._committed(ref, None, (loaded.state, loaded.state_version))
-
-    def _committed(self, ref: ConvRef, summary: Summary | None, state: tuple[dict[str, Any], int] | None) -> None:
-        """A fold worker of this process committed a summary or a state ledger: known views take it now."""
-        if summary is not None:
-            self.views.update(ref, lambda known: with_summary(known, summary))
-        if state is not None:
-            ledger, version = state
-            for other, known in self.views.of_project(ref):
-                if version > known.state_version:
-                    self.views.put(other, replace(known, state=ledger, state_version=version))
+        """`ref` was edited, deleted or folded elsewhere (follow.py)."""
+        self.follower.changed(ref, kind)
 
     async def follow_store(self) -> None:
-        """Keep what this process knows of conversations honest while it runs (views.py): follow the
-        store's change channel. Returns at once for the embedded store, which has no other writer."""
-        if self.store.embedded:
-            return
-
-        def live(up: bool) -> None:
-            if up != self.views.live:
-                log.info("memory.changes_followed") if up else log.warning("memory.changes_lost")
-            self.views.set_live(up)
-
-        try:
-            await self.store.watch(self.changed, live)
-        finally:
-            for task in list(self._refreshing.values()):
-                task.cancel()
+        """Keep what this process knows of conversations true to the store while it runs (follow.py)."""
+        await self.follower.follow()
 
     # -- identify ---------------------------------------------------------------------------
 
@@ -190,7 +311,8 @@ class Memory:
         if not conv:
             return None
         project = _header(call.headers, self.settings.conversation.project_headers)
-        return ConvRef(call.tenant, conv, project)
+        # Header bytes that are not UTF-8 as %XX, as the conversation API's path spells them.
+        return ConvRef(call.tenant, paths.conversation_id(conv), project and paths.conversation_id(project))
 
     async def prepare(self, call: Call) -> Prepared | None:
         ref = self.conversation_of(call)
@@ -198,36 +320,40 @@ class Memory:
             return None  # no conversation: forwarded byte for byte
         mem = self.settings.memory
         off = str(call.headers.get(self.settings.conversation.memory_header, "")).lower() == "off"
-        shape = shape_for(call.dialect.name) if call.dialect.name in MEMORY_DIALECTS else None
-        history = shape.history(call.body) if shape is not None else None
-        if off or not mem.enabled or shape is None or history is None:
-            return Prepared(body=None, headers={"x-gateway-context": "passthrough"})
+        dialect = call.dialect if call.dialect.name in MEMORY_DIALECTS else None
+        history = dialect.history(call.body) if dialect is not None else None
+        if off or not mem.enabled or dialect is None or history is None:
+            why = rewrite.MEMORY_OFF if off or not mem.enabled else rewrite.NOT_REWRITABLE
+            return Prepared(body=None, headers={"x-gateway-context": "passthrough", "x-gateway-reason": why})
 
         started = time.perf_counter()
         arrived = time.monotonic()
-        hashes, chains = self._hash_history(ref, shape, history)
-        view, decision = self._from_known(ref, shape, hashes, chains)
+        when = _client_time(call.headers)
+        hashes, chains = self.caches.hashes(ref, dialect, history, partial(_check, dialect, call.body, history))
+        full = _resends_a_reply(dialect, history)
+        view, decision = self._from_known(ref, dialect, hashes, chains, full=full)
         known = view is not None
         if view is None:
             try:
                 view = await self.store.load(ref, head=mem.keep_initial)
-                if view.dialect in (None, shape.dialect):
-                    decision = await self._decide(ref, hashes, chains, view, arrived)
+                if view.dialect in (None, dialect.name):
+                    decision = await self._decide(ref, hashes, chains, view, arrived, full=full)
             except StoreUnavailable as exc:
-                return self._degraded(call, shape, history, exc)
-        if view.dialect is not None and view.dialect != shape.dialect:
+                return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when)
+        if view.dialect is not None and view.dialect != dialect.name:
             # One conversation id reused across API dialects: its stored turns cannot be replayed
             # in the other format, so this request goes through untouched and is not recorded.
-            return Prepared(body=None, headers={"x-gateway-context": "passthrough"})
+            return Prepared(body=None, headers={"x-gateway-context": "passthrough",
+                                                "x-gateway-reason": rewrite.OTHER_DIALECT})
         assert decision is not None
 
-        model = shape.model(call.body)
-        req = self._logical(ref, shape, model, view, decision, history, hashes, chains)
-        req.known, req.arrived = known, arrived
+        model = dialect.model(call.body)
+        req = self._logical(ref, dialect, model, view, decision, history, hashes, chains, when)
+        req.known, req.arrived, req.body_bytes = known, arrived, len(call.raw)
         try:
             plan, body = await self._plan(call, req, history)
         except StoreUnavailable as exc:
-            return self._degraded(call, shape, history, exc)
+            return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when)
         req.plan = plan
         # Savings are net of what folding cost: the summarizer tokens spent since the last request
         # are charged once, against this request (0 with the extractive summarizer).
@@ -237,344 +363,234 @@ class Memory:
         saved = plan.tokens_original - plan.tokens_forwarded - req.summarizer_charge
         headers = {
             "x-gateway-context": plan.kind,
+            "x-gateway-reason": plan.reason,
             "x-gateway-tokens-original": str(plan.tokens_original),
             "x-gateway-tokens-forwarded": str(plan.tokens_forwarded),
             "x-gateway-tokens-saved": str(saved),
+            "x-gateway-cost-original": str(round(req.cost_original)),
+            "x-gateway-cost-forwarded": str(round(req.cost_forwarded)),
+            "x-gateway-window-used": f"{req.window_used:.3f}",
         }
         if self.metrics is not None:
-            self.metrics.observe_tokens(plan.tokens_original, plan.tokens_forwarded, self._usd(model, saved))
+            self.metrics.observe_tokens(plan.tokens_original, plan.tokens_forwarded, self._usd(model, saved),
+                                        model=self.settings.model_label(model), provider=call.dialect.upstream)
         log.debug("memory.plan", conversation=ref.conversation, action=decision.action, kind=plan.kind, known=known,
                   ms=round((time.perf_counter() - started) * 1000, 3))
 
         def on_success(items: list[dict[str, Any]], usage: Usage) -> Coroutine[Any, Any, None]:
             return self._record(req, items, usage, replied=time.monotonic())  # the reply is relayed now
 
-        return Prepared(body=body, headers=headers, on_success=on_success)
+        return Prepared(body=body, headers=headers, on_success=on_success, excerpts=plan.excerpts_block)
 
-    def _from_known(self, ref: ConvRef, shape: Shape, hashes: list[str],
-                    chains: list[str]) -> tuple[ConversationView | None, Decision | None]:
+    def _mode(self, full: bool) -> HistoryMode:
+        mode = self.settings.conversation.history
+        return "full" if full and mode == "auto" else mode
+
+    def _from_known(self, ref: ConvRef, dialect: Dialect, hashes: list[str], chains: list[str], *,
+                    full: bool) -> tuple[ConversationView | None, Decision | None]:
         """The view this process knows, when the request simply goes on from it (views.py)."""
-        view = self.views.get(ref)
-        if view is None or view.dialect not in (None, shape.dialect):
+        view = self.caches.views.get(ref)
+        if view is None or view.dialect not in (None, dialect.name):
             return None, None
-        decision = reconcile(hashes, chains, view, self.settings.conversation.history)
+        decision = reconcile(hashes, chains, view, self._mode(full))
         if decision.action not in ("extend", "delta"):
             return None, None  # a retry, an edit, a regenerate: decided on what the store holds now
         return view, decision
 
     async def _decide(self, ref: ConvRef, hashes: list[str], chains: list[str], view: ConversationView,
-                      arrived: float) -> Decision:
-        """Reconcile the request with a view just loaded (reading the stored chains when needed)."""
-        mode = self.settings.conversation.history
+                      arrived: float, *, siblings: bool = True, full: bool = False) -> Decision:
+        """Reconcile the request with a view just loaded (reading the stored chains when needed);
+        `siblings` False: a diverging history is a branch, whatever the timing; `full`: the request
+        is a whole history (`_resends_a_reply`), never a delta."""
+        mode = self._mode(full)
         decision = reconcile(hashes, chains, view, mode)
         if decision.action == "need_chains":
             decision = reconcile(hashes, chains, view, mode, stored_chains=await self.store.chains(ref))
-        if decision.action == "branch" and self._siblings(ref, decision.base, view.length, arrived):
+        writes = self.caches.writes
+        if (siblings and decision.action == "branch"
+                and writes.siblings(conv_key(ref), decision.base, view.length, arrived)):
             # Every turn after the divergence was stored by requests still unanswered when this one
             # arrived: concurrent requests on one base, not an edit. Store the union (append after them).
             decision = Decision("extend", base=decision.base, new_from=decision.new_from,
                                 base_chain=decision.base_chain)
         return decision
 
-    def _hash_history(self, ref: ConvRef, shape: Shape,
-                      history: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-        """Content and chain hashes of every incoming message, reusing the previous request's.
-
-        Full-history clients resend the same messages every turn. A message that compares equal
-        (a C-level dict comparison, ~0.1 µs) to the one at the same position last time has the
-        same hash, so only the messages that are new or changed are canonicalised and hashed:
-        a 500-message history costs about as much as a 10-message one.
-        """
-        key = (*_key(ref), shape.dialect)
-        cached = self._hashes.get(key)
-        same = 0
-        if cached is not None:
-            raws, old_hashes, old_chains = cached
-            limit = min(len(raws), len(history))
-            if history[:limit] == raws[:limit]:
-                same = limit  # the usual resend, compared in one C loop
-            else:
-                while same < limit and history[same] == raws[same]:
-                    same += 1
-            hashes, chains = list(old_hashes[:same]), list(old_chains[:same])
-        else:
-            hashes, chains = [], []
-        fresh = [content_hash(shape, m) for m in history[same:]]
-        hashes += fresh
-        chains += chain_hashes(fresh, prev=chains[-1] if chains else "")
-        # The hashes as tuples, not lists: the cyclic GC stops tracking a tuple of strings once it has
-        # seen it, so its full collections do not walk every cached hash. (A tuple of message dicts
-        # stays tracked like a list would, so the messages are kept as they came.)
-        _bounded_put(self._hashes, key, (history, tuple(hashes), tuple(chains)), self._cache_size)
-        return hashes, chains
-
     # -- plan -------------------------------------------------------------------------------
 
-    def _turn(self, shape: Shape, raw: dict[str, Any], h: str, model: str | None,
-              when: str | None = None) -> Turn:
-        text = shape.text(raw)
-        return Turn(raw=raw, role=shape.role(raw), text=text,
-                    tokens=self.tokens.count_message(text, model), hash=h, time=when or _now())
+    def _message(self, dialect: Dialect, raw: dict[str, Any], h: str, model: str | None,
+                 when: str | None = None) -> Message:
+        text = dialect.text(raw)
+        return Message(raw=raw, role=dialect.role(raw), text=text,
+                       tokens=self.tokens.count_message(text, model), hash=h, time=when or _now())
 
-    def _logical(self, ref: ConvRef, shape: Shape, model: str | None, view: ConversationView,
+    def _logical(self, ref: ConvRef, dialect: Dialect, model: str | None, view: ConversationView,
                  decision: Decision, history: list[dict[str, Any]], hashes: list[str],
-                 chains: list[str]) -> _Request:
-        """The new turns this request brings, counted once (stored ones carry their counts)."""
-        now = _now()
-        new = [self._turn(shape, history[i], hashes[i], model, now)
+                 chains: list[str], when: str | None = None) -> _Request:
+        """The new messages this request brings, counted once (stored ones carry their counts)."""
+        now = when or _now()
+        new = [self._message(dialect, history[i], hashes[i], model, now)
                for i in range(decision.new_from, len(history))]
         for t, c in zip(new, chains[decision.new_from:], strict=False):
             t.chain = c
-        return _Request(ref, shape, model, view, decision, history, hashes, chains, new, None)
-
-    def _system_count(self, text: str, model: str | None) -> int:
-        if not text:
-            return 0
-        key = hash((text, model))
-        n = self._system_tokens.get(key)
-        if n is None:
-            n = self.tokens.count(text, model)
-            _bounded_put(self._system_tokens, key, n, 4096)
-        return n
-
-    def _state_block(self, ledger: dict[str, Any] | None, model: str | None) -> tuple[str, int]:
-        """The project state wrapped in its template, and its tokens; remembered by content.
-
-        The ledger changes only when a fold or an edit updates it, but validating and rendering it
-        (a count per line) on every request cost ~0.4 ms for 40 items."""
-        if not ledger:
-            return "", 0
-        mem = self.settings.memory
-        key = (blake2b(orjson.dumps(ledger), digest_size=16).digest(), self.tokens.encoding(model).name,
-               mem.state_budget_tokens)
-        hit = self._state_blocks.get(key)
-        if hit is None:
-            rendered = state.render(state.Ledger.model_validate(ledger), mem.state_budget_tokens,
-                                    lambda s: self.tokens.count(s, model))
-            block = mem.templates.state.format(state=rendered) if rendered else ""
-            hit = (block, self.tokens.count(block, model) if block else 0)
-        _bounded_put(self._state_blocks, key, hit, self._cache_size)
-        return hit
+        return _Request(ref, dialect, model, view, decision, history, hashes, chains, new, None, when=when)
 
     async def _plan(self, call: Call, req: _Request, history: list[dict[str, Any]]) -> tuple[Plan, bytes | None]:
-        mem = self.settings.memory
-        view, decision, shape = req.view, req.decision, req.shape
-        summary: Summary | None = view.summary
-        base = decision.base  # stored messages [0, base) this request builds on
-        client_sent_all = decision.action != "delta"
-
-        # The logical conversation from the summary's coverage on: stored tail up to `base`
-        # (with the client's own bytes where it sent them), then the new turns.
-        if base < view.tail_start or (summary is not None and summary.covers > base):
-            # The request builds on a point the summary already covers (a regenerate far back,
-            # an early branch): the summary describes turns this request does not contain.
-            summary = None
-            tail: list[Turn] = [self._turn(shape, history[i], req.hashes[i], req.model)
-                                for i in range(0, decision.new_from)]
-            tail_start = 0
-            total_tokens = sum(t.tokens for t in tail)
-        else:
-            stored = view.tail[: base - view.tail_start]
-            if client_sent_all:
-                # A full-history client's message i is stored position i: forward its own bytes.
-                tail = [Turn(raw=history[view.tail_start + i], role=t.role, text=t.text,
-                             tokens=t.tokens, hash=t.hash, chain=t.chain, time=t.time)
-                        for i, t in enumerate(stored)]
-            else:
-                tail = list(stored)
-            tail_start = view.tail_start
-            dropped = sum(t.tokens for t in view.tail[base - view.tail_start:])
-            total_tokens = view.tokens_total - dropped
-        tail.extend(req.new_turns)
-        total_tokens += sum(t.tokens for t in req.new_turns)
-        total_messages = tail_start + len(tail)
-
-        system_text = shape.system_text(call.body)
-        system_tokens = self._system_count(system_text, req.model)
+        """The rewrite rules' plan for this request (rewrite.py), with its excerpts, rendered."""
+        mem, view, dialect = self.settings.memory, req.view, req.dialect
+        logical = rewrite.history(view, req.decision, history, req.new_messages,
+                                  lambda i: self._message(dialect, history[i], req.hashes[i], req.model))
+        system_text = dialect.system_text(call.body)
         req.system_hash = _digest(system_text)
-        model_cfg = self.settings.model(req.model)
-        max_out = shape.max_output_tokens(call.body) or 0
-        budget = int(model_cfg.context_window * mem.budget_ratio) - max_out
-
-        state_block, state_tokens = self._state_block(view.state, req.model)
-
-        now = time.monotonic()  # one clock reading for both cost comparisons
-        weigh_full = client_sent_all and mem.cost_model and total_tokens + system_tokens <= budget
-        draft = context.draft_plan(
-            shape, head=view.head if tail_start > 0 else [], tail=tail, tail_start=tail_start,
-            total_messages=total_messages, total_tokens=total_tokens, system_tokens=system_tokens,
-            summary=summary, state_block=state_block, state_tokens=state_tokens,
-            settings=mem, context_budget=budget, count=lambda s: self.tokens.count(s, req.model),
+        state_block, state_tokens = self.blocks.state_block(view.state, req.model)
+        window = self.settings.model(req.model).context_window
+        key = conv_key(req.ref)
+        inputs = rewrite.Inputs(
+            dialect=dialect, history=logical, system_tokens=self.blocks.system_tokens(system_text, req.model),
+            state_block=state_block, state_tokens=state_tokens, settings=mem,
+            context_budget=rewrite.context_budget(window, mem, dialect.max_output_tokens(call.body) or 0),
+            count=lambda s: self.tokens.count(s, req.model), whole=req.decision.action != "delta",
+            system_hash=req.system_hash, chains=req.chains, new_tokens=sum(t.tokens for t in req.new_messages),
+            last=self.caches.forwarded.get(key), now=self.clock(), prices=self.prices(req.model, dialect, call.raw),
+            raw=call.raw,
         )
-        plan = draft.plan
-        # Excerpts only add to a rewrite's bill: when the full history already costs less than the
-        # rewrite without them, it is what gets forwarded, and neither the search nor bringing the
-        # index up to date for it is needed (the index catches up from the store when it is).
-        if draft.finish is not None and (not weigh_full or self._rewrite_may_win(
-                call, req, plan, tail, system_tokens, state_tokens, total_tokens, summary, now)):
-            plan = await self._with_excerpts(req, draft, tail, tail_start, total_tokens)
-        if plan.tokens_forwarded > budget:
+        draft = rewrite.plan(inputs)
+        outcome = draft.finish(await self._recall(req, logical, draft.wants) if draft.wants is not None else ())
+        plan = outcome.plan
+        if outcome.forwarded is None:
             raise GatewayError(400, "invalid_request_error",
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
-                               f"the {budget} this model's context window allows after max output tokens")
-        items = (self._rewrite_items(req, plan, tail, system_tokens, state_tokens, summary)
-                 if plan.kind == "rewritten" else None)
-        if items is not None and weigh_full:
-            plan = self._cheaper(call, req, plan, tail, system_tokens, total_tokens, items, now)
-        self._remember_forwarded(req, plan, system_tokens, total_tokens, items)
-        if plan.kind == "full" and client_sent_all:
+                               f"the {inputs.context_budget} this model's context window allows after max output "
+                               "tokens")
+        original = self._costs(req, inputs, plan, outcome.forwarded, window)
+        self.caches.remember_forwarded(req.ref, outcome.forwarded, original)
+        if plan.kind == "full" and inputs.whole:
             return plan, None
-        rendered_body = shape.render(call.body, plan, cache_control=mem.cache_control)
+        rendered_body = dialect.render(call.body, plan, cache_control=mem.cache_control)
         return plan, orjson.dumps(rendered_body)
 
-    def _rewrite_may_win(self, call: Call, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
-                         state_tokens: int, total_tokens: int, summary: Summary | None, now: float) -> bool:
-        """Does the rewrite `plan` (no excerpts yet) cost less than the full history?"""
-        items = self._rewrite_items(req, plan, tail, system_tokens, state_tokens, summary)
-        return self._cheaper(call, req, plan, tail, system_tokens, total_tokens, items, now) is plan
-
-    async def _with_excerpts(self, req: _Request, draft: context.Draft, tail: list[Turn], tail_start: int,
-                             total_tokens: int) -> Plan:
-        """The draft finished with the messages recalled for the newest turn (the index synced first).
-
-        tail, tail_start: the logical conversation from the summary's coverage on (tail_start 0 when
-        the summary is not used), as _plan built it."""
-        assert draft.finish is not None
-        mem, view = self.settings.memory, req.view
-        query_turn = next((t for t in reversed(tail) if req.shape.is_turn_start(t.raw)), tail[-1] if tail else None)
-        # Less the block's own heading; each excerpt's header is budgeted by the index.
-        budget_tokens = min(draft.budget, int(mem.retrieval_max_share * total_tokens)) - 20
-        if query_turn is None or budget_tokens <= 0:
-            return draft.plan
-        key = _key(req.ref)
-        if tail_start > 0:
-            await self.recall.sync(key, view.tail[: max(0, req.decision.base - view.tail_start)], view.tail_start,
-                                   lambda a, b: self.store.messages(req.ref, a, b))
-        hits = self.recall.search(
-            key, query=query_turn.text, after=len(view.head), before=draft.window_start,
-            budget_tokens=budget_tokens, recent=[t.text for t in tail[-6:]], query_time=query_turn.time,
-        )
-        return draft.finish([(h.position, Turn(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="",
-                                               time=h.time)) for h in hits])
-
-    # -- cost -------------------------------------------------------------------------------
-
-    def _prices(self) -> cost.Prices:
-        p = self.settings.pricing
-        return cost.Prices(read=p.cache_read_factor, write=p.cache_write_factor, ttl=p.cache_ttl_seconds)
-
-    def _rewrite_items(self, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int, state_tokens: int,
-                       summary: Summary | None) -> tuple[list[str], list[int], int]:
-        """The rewritten request as prompt-cache items, and its volatile tokens (excerpts onwards)."""
-        window = tail[len(tail) - len(plan.window):] if plan.window else []
-        blocks = plan.state_block + "\x1f" + plan.summary_block
-        block_tokens = (summary.tokens if summary is not None and plan.summary_block else 0)
-        block_tokens += state_tokens if plan.state_block else 0
-        items = [req.system_hash, _digest(blocks)] + [t.hash for t in req.view.head[: len(plan.head)]]
-        tokens = [system_tokens, block_tokens] + [t.tokens for t in req.view.head[: len(plan.head)]]
-        if plan.omitted_marker:
-            items.append(_digest(plan.omitted_marker))
-            tokens.append(8)
-        cut = next((i for i in range(len(window) - 1, -1, -1) if req.shape.is_turn_start(window[i].raw)), len(window))
-        stable = sum(tokens) + sum(t.tokens for t in window[:cut])
-        excerpts = max(plan.tokens_forwarded - stable - sum(t.tokens for t in window[cut:]), 0)
-        items += [t.hash for t in window[:cut]]
-        tokens += [t.tokens for t in window[:cut]]
-        if plan.excerpts_block:
-            items.append(_digest(plan.excerpts_block))
-            tokens.append(excerpts)
-        items += [t.hash for t in window[cut:]]
-        tokens += [t.tokens for t in window[cut:]]
-        return items, tokens, excerpts + sum(t.tokens for t in window[cut:])
-
-    def _cheaper(self, call: Call, req: _Request, plan: Plan, tail: list[Turn], system_tokens: int,
-                 total_tokens: int, rewrite: tuple[list[str], list[int], int], now: float) -> Plan:
-        """The rewrite, unless the full history would be billed less once prompt caching counts."""
-        prices = self._prices()
-        last = self._forwarded.get(_key(req.ref))
-        # OpenAI caches long prompt prefixes by itself; Anthropic only up to a client's breakpoint.
-        cacheable = req.shape.dialect != "anthropic" or b"cache_control" in call.raw
-        full_now = cost.billed_full((req.system_hash, system_tokens), total_tokens, req.chains, last, now, prices,
-                                    cacheable=cacheable)
-        items, tokens, volatile = rewrite
-        choice = cost.choose(
-            full_now=full_now, rewrite_now=cost.billed(items, tokens, last, now, prices),
-            full_total=system_tokens + total_tokens, rewrite_total=sum(tokens),
-            new=2 * sum(t.tokens for t in req.new_turns), volatile=volatile,
-            prices=prices, horizon=max(2, self.settings.memory.fold_batch // 2), full_cacheable=cacheable)
-        if not choice.full:
-            return plan
-        return Plan(kind="full", state_block="", summary_block="", head=[], omitted_marker="",
-                    window=[t.raw for t in tail], excerpts_block="", tokens_original=plan.tokens_original,
-                    tokens_forwarded=plan.tokens_original)
-
-    def _remember_forwarded(self, req: _Request, plan: Plan, system_tokens: int, total_tokens: int,
-                            rewrite: tuple[list[str], list[int], int] | None) -> None:
-        """What this request carries upstream, for the next request's cost estimate."""
-        now = time.monotonic()
-        if plan.kind == "rewritten" and rewrite is not None:
-            record = cost.Forwarded(False, tuple(rewrite[0]), tuple(rewrite[1]), now)
+    def _costs(self, req: _Request, inputs: rewrite.Inputs, plan: Plan, forwarded: cost.Forwarded,
+               window: int) -> cost.Forwarded:
+        """Price the request as forwarded, and as the client sent it had the gateway not been there
+        (its previous full history then in the provider's cache); returns the latter's record."""
+        h, now, prices = inputs.history, inputs.now, inputs.prices
+        system = (inputs.system_hash, inputs.system_tokens)
+        cacheable = inputs.dialect.caches_full_history(inputs.raw)
+        original = cost.full_record(system, len(inputs.chains), inputs.chains[-1] if inputs.chains else "",
+                                    h.total_tokens, now)
+        req.cost_original = cost.billed_full(system, h.total_tokens, inputs.chains,
+                                             self.caches.originals.get(conv_key(req.ref)), now, prices,
+                                             cacheable=cacheable)
+        if forwarded.full:
+            req.cost_forwarded = cost.billed_full(system, h.total_tokens, inputs.chains, inputs.last, now, prices,
+                                                  cacheable=cacheable)
+            total = system[1] + h.total_tokens
+            req.expected_cached = (cost.cached_full(system, h.total_tokens, inputs.chains, inputs.last, now, prices)
+                                   if cacheable and total >= prices.min_tokens else 0)
         else:
-            record = cost.full_record((req.system_hash, system_tokens), len(req.incoming),
-                                      req.chains[-1] if req.chains else "", total_tokens, now)
-        _bounded_put(self._forwarded, _key(req.ref), record, self._cache_size)
+            req.cost_forwarded = cost.billed(forwarded.items, forwarded.tokens, inputs.last, now, prices)
+            total = forwarded.total
+            req.expected_cached = cost.cached(forwarded.items, forwarded.tokens, inputs.last, now, prices)
+        req.prices, req.expected_total = prices, total
+        req.gap = now - inputs.last.at if inputs.last is not None else None
+        req.window_used = plan.tokens_forwarded / window if window else 0.0
+        return original
 
-    def _degraded(self, call: Call, shape: Shape, history: list[dict[str, Any]], exc: Exception) -> Prepared:
+    async def _recall(self, req: _Request, logical: rewrite.History,
+                      wants: rewrite.Wanted) -> list[tuple[int, Message]]:
+        """The earlier messages retrieval picks for the excerpts the plan wants (the index synced first)."""
+        view, key, recall = req.view, conv_key(req.ref), self.caches.recall
+        if logical.tail_start > 0:
+            await recall.sync(key, view.tail[: max(0, req.decision.base - view.tail_start)], view.tail_start,
+                              lambda a, b: self.store.messages(req.ref, a, b))
+        vector = None
+        if recall.embedder is not None and recall.embedded(key) > len(view.head):
+            # In a thread of its own (~0.5 ms): the loop serves other requests meanwhile.
+            vector = await recall.embedder.query(wants.query.text)
+        hits = recall.search(
+            key, query=wants.query.text, after=len(view.head), before=wants.window_start,
+            budget_tokens=wants.search_budget, recent=wants.recent, query_time=wants.query.time,
+            query_vector=vector,
+        )
+        return [(h.position, Message(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="", time=h.time))
+                for h in hits]
+
+    def _degraded(self, call: Call, dialect: Dialect, history: list[dict[str, Any]], exc: Exception,
+                  ref: ConvRef, hashes: list[str], chains: list[str], arrived: float,
+                  when: str | None) -> Prepared:
+        """Forward unchanged; the turns are stored later (backlog.py) if the upstream answers."""
         if self.metrics is not None:
             self.metrics.store_errors_total.inc()
-        log.warning("memory.degraded", error=type(exc).__name__)
-        model = shape.model(call.body)
-        tokens = sum(self.tokens.count_message(shape.text(m), model) for m in history)
-        tokens += self._system_count(shape.system_text(call.body), model)
-        return Prepared(body=None, headers={
-            "x-gateway-context": "degraded", "x-gateway-tokens-original": str(tokens),
+        busy = isinstance(exc, StoreBusy)
+        log.warning("memory.degraded", conversation=ref.conversation, error=type(exc).__name__)
+        model = dialect.model(call.body)
+        tokens = sum(self.tokens.count_message(dialect.text(m), model) for m in history)
+        tokens += self.blocks.system_tokens(dialect.system_text(call.body), model)
+        sent = when or _now()  # the client's time (X-Message-Time) when it gave one, as for a stored turn
+
+        def on_success(items: list[dict[str, Any]], usage: Usage) -> Coroutine[Any, Any, None]:
+            reply = [self._message(dialect, raw, content_hash(dialect, raw), model, when) for raw in items]
+            late = _Late(ref, dialect, model, history, hashes, chains, arrived, sent, reply, _usage_stats(usage),
+                         weight=_HELD_PER_BODY_BYTE * len(call.raw))
+            return self._defer(late, exc)
+
+        return Prepared(body=None, on_success=on_success, headers={
+            "x-gateway-context": "degraded", "x-gateway-reason": STORE_BUSY if busy else rewrite.DEGRADED,
+            "x-gateway-tokens-original": str(tokens),
             "x-gateway-tokens-forwarded": str(tokens), "x-gateway-tokens-saved": "0"})
+
+    async def _defer(self, late: _Late, exc: BaseException) -> None:
+        """Queue `late` to be stored when the store accepts it."""
+        self.backlog.put(conv_key(late.ref), late.ref.conversation, partial(self._record_late, late),
+                         type(exc).__name__, late.weight)
+
+    async def _record_late(self, late: _Late) -> None:
+        """Store a deferred request's turns on what the store holds now (StoreUnavailable: try later)."""
+        with patient(self.settings.store.record_wait_seconds):
+            await self._record_late_now(late)
+
+    async def _record_late_now(self, late: _Late) -> None:
+        ref, dialect = late.ref, late.dialect
+        stats = late.stats
+        for attempt in range(RECORD_ATTEMPTS):  # another writer moved the conversation meanwhile
+            view = await self.store.load(ref, head=self.settings.memory.keep_initial)
+            if view.dialect not in (None, dialect.name):
+                log.warning("memory.unrecorded_other_dialect", conversation=ref.conversation)
+                return
+            decision = await self._decide(ref, late.hashes, late.chains, view, late.arrived,
+                                          siblings=attempt < RECORD_ATTEMPTS - 1,
+                                          full=_resends_a_reply(dialect, late.incoming))
+            req = self._logical(ref, dialect, late.model, view, decision, late.incoming, late.hashes, late.chains,
+                                late.sent)
+            req.plan, req.summarizer_charge, req.arrived = late.plan, late.summarizer_charge, late.arrived
+            turns = [*req.new_messages, *late.reply]
+            result = await self._store_turns(req, late.reply, turns, stats)
+            self.caches.views.drop(ref)
+            if result is None:
+                if stats:
+                    await self.store.add_stats(ref, **stats)
+                return
+            stats = {}  # added by the call, stored or not
+            if result.ok:
+                if result.appended and decision.action in ("branch", "prefix"):
+                    self.caches.recall.truncate(conv_key(ref), decision.base)
+                await self._maybe_fold(req, result.length, turns, urgent=False)
+                return
+        raise _Contended(f"the conversation moved on under {RECORD_ATTEMPTS} attempts to record")
 
     # -- record -----------------------------------------------------------------------------
 
     def _usd(self, model: str | None, tokens: int) -> float:
-        return tokens * self.settings.model(model).input_usd_per_mtok / 1_000_000
+        return tokens * self.settings.price(model).input_usd_per_mtok / 1_000_000
 
-    def _siblings(self, ref: ConvRef, at: int, length: int, arrived: float) -> bool:
-        """Were stored messages [at, length) all stored by requests answered after `arrived`?
-
-        Runs whose store call has not returned yet (`_storing`) may account for the positions no
-        known run covers.
-        """
-        key = _key(ref)
-        runs, storing = self._stored_runs.get(key, []), self._storing.get(key, [])
-        if at >= length or not (runs or storing):
-            return False
-        covered, gaps = at, 0
-        for start, stop, replied in sorted(runs):
-            if start >= length:
-                break
-            if stop <= covered:
-                continue
-            if replied <= arrived:
-                return False
-            gaps += max(0, start - covered)
-            covered = stop
-        gaps += max(0, length - covered)
-        return gaps <= sum(n for n, replied in storing if replied > arrived)
-
-    def _note_stored(self, ref: ConvRef, start: int, stop: int, replied: float, *, branched: bool) -> None:
-        key = _key(ref)
-        runs = self._stored_runs.get(key, [])
-        if branched:  # the branch replaced everything from `start` on
-            runs = [r for r in runs if r[1] <= start]
-        runs.append((start, stop, replied))
-        _bounded_put(self._stored_runs, key, runs[-64:], self._cache_size)
-
-    async def _store_turns(self, req: _Request, reply: list[Turn], turns: list[Turn],
+    async def _store_turns(self, req: _Request, reply: list[Message], turns: list[Message],
                            stats: dict[str, int] | None) -> AppendResult | None:
         """Append / branch as the decision says, adding `stats` in the same call; None when there is
         nothing to store (the caller adds the stats then)."""
-        shape, decision, view, ref = req.shape, req.decision, req.view, req.ref
+        dialect, decision, view, ref = req.dialect, req.decision, req.view, req.ref
         result: AppendResult | None
         if decision.action in ("new", "extend", "delta"):
-            result = await self.store.append(ref, turns, base_length=decision.base,
-                                             base_chain=decision.base_chain, dialect=shape.dialect, stats=stats)
+            result = await self.store.append(ref, turns, base_length=decision.base, base_chain=decision.base_chain,
+                                             dialect=dialect.name, stats=stats, own=_own(req.new_messages, reply))
         elif decision.action == "prefix":
             stored_next = decision.base - view.tail_start
             same = bool(0 <= stored_next < len(view.tail) and reply
@@ -589,129 +605,125 @@ class Memory:
                 result = None  # a retry that got the same answer: nothing to store twice
             elif decision.base == view.length:
                 result = await self.store.append(ref, reply, base_length=decision.base,
-                                                 base_chain=decision.base_chain, dialect=shape.dialect, stats=stats)
+                                                 base_chain=decision.base_chain, dialect=dialect.name, stats=stats)
             else:
                 result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
-                                                 turns=reply, dialect=shape.dialect, stats=stats)
+                                                 turns=reply, dialect=dialect.name, stats=stats)
         else:  # branch
             result = await self.store.branch(ref, at=decision.base, base_chain=decision.base_chain,
-                                             turns=turns, dialect=shape.dialect, stats=stats)
+                                             turns=turns, dialect=dialect.name, stats=stats)
         return result
 
     async def _record(self, req: _Request, items: list[dict[str, Any]], usage: Usage,
                       replied: float = 0.0) -> None:
         """Store the new turns and the reply; queue a fold when enough turns aged out."""
-        shape, ref = req.shape, req.ref
-        reply = [self._turn(shape, raw, content_hash(shape, raw), req.model) for raw in items]
-        turns = [*req.new_turns, *reply]
+        self._calibrate(req, usage)
+        if req.decision.action == "delta" and self.backlog.holds(conv_key(req.ref)):
+            # Earlier turns of this conversation wait in the retry queue: storing a delta client's
+            # new turns now would put them before those. (A whole history is stored as it came; the
+            # queued turns then find themselves stored already.)
+            reply = [self._message(req.dialect, raw, content_hash(req.dialect, raw), req.model, req.when)
+                     for raw in items]
+            await self._defer(_Late(req.ref, req.dialect, req.model, req.incoming, req.hashes, req.chains,
+                                    req.arrived, _sent(req), reply, _usage_stats(usage), req.plan,
+                                    req.summarizer_charge, _HELD_PER_BODY_BYTE * req.body_bytes),
+                              _Queued("earlier turns of this conversation are queued"))
+            return
+        with patient(self.settings.store.record_wait_seconds):
+            await self._record_now(req, items, usage, replied)
+
+    async def _record_now(self, req: _Request, items: list[dict[str, Any]], usage: Usage, replied: float) -> None:
+        dialect, ref = req.dialect, req.ref
+        reply = [self._message(dialect, raw, content_hash(dialect, raw), req.model, req.when) for raw in items]
+        turns = [*req.new_messages, *reply]
         replied = replied or time.monotonic()
-        conv, storing = _key(ref), (len(turns), replied)
+        conv = conv_key(ref)
         plan = req.plan
-        stats = {"requests": 1, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-                 "cache_read_tokens": usage.cache_read_tokens, "cache_write_tokens": usage.cache_write_tokens}
+        stats = _usage_stats(usage)
         if plan is not None:
             stats |= {"tokens_original": plan.tokens_original, "tokens_forwarded": plan.tokens_forwarded,
                       "tokens_saved": plan.tokens_original - plan.tokens_forwarded - req.summarizer_charge,
                       "summarizer_tokens_charged": req.summarizer_charge}
         # The view this record leaves, known before the store answers: the conversation's next
         # request may arrive first (its client has the reply already).
-        expected = self._expect(req, turns, stats)
-        self._storing.setdefault(conv, []).append(storing)
+        expected = self.follower.expect(ref, req.decision, req.view, turns, dialect=dialect.name, stats=stats)
+        storing = self.caches.writes.storing(conv, len(turns), replied)
+        stored = False
         try:
             try:
                 result = await self._store_turns(req, reply, turns, stats)
-                if result is not None and not result.ok and req.known:
-                    # Planned from a known view the store had moved on from (another replica wrote):
-                    # record as a request planned from a fresh load would have (stats are added already).
-                    req, turns, result = await self._record_again(req, reply)
+                for attempt in range(1, RECORD_ATTEMPTS):
+                    if result is None or result.ok:
+                        break
+                    # The store moved on from what this request was planned on (another request or
+                    # replica wrote): decide again on what it holds now (stats are added already).
                     stats = {}
+                    req, turns, result = await self._record_again(req, reply, siblings=attempt < RECORD_ATTEMPTS - 1)
             finally:
-                pending = self._storing.get(conv, [])
-                if storing in pending:
-                    pending.remove(storing)
-                if not pending:
-                    self._storing.pop(conv, None)
+                self.caches.writes.stored(conv, storing)
+            stored = True
             decision, view = req.decision, req.view
             if result is not None and result.ok and result.appended:
                 start = result.start if result.start >= 0 else result.length - result.appended
                 branched = decision.action == "branch" or (decision.action == "prefix" and decision.base < view.length)
-                self._note_stored(ref, start, start + result.appended, replied, branched=branched)
+                self.caches.writes.note(conv, start, start + result.appended, replied, branched=branched)
             if result is None and stats:
                 await self.store.add_stats(ref, **stats)
-            await self._settle_known(req, turns, result, expected)
+            await self.follower.settle(ref, turns, result, expected)
             if result is not None and not result.ok:
-                log.info("memory.record_conflict", conversation=ref.conversation, reason=result.reason)
+                # Busy writers kept moving the conversation: stored later by the retry queue.
+                await self._defer(_Late(ref, dialect, req.model, req.incoming, req.hashes, req.chains, req.arrived,
+                                        _sent(req), reply, {}, req.plan, req.summarizer_charge,
+                                        _HELD_PER_BODY_BYTE * req.body_bytes),
+                                  _Contended(result.reason))
                 return
             if plan is not None and usage.input_tokens and plan.kind != "passthrough":
                 self.tokens.calibrate(req.model, plan.tokens_forwarded, usage.input_tokens)
             length = result.length if result is not None else view.length
             if result is not None and result.appended and decision.action in ("branch", "prefix"):
-                self.recall.truncate(_key(ref), decision.base)
+                self.caches.recall.truncate(conv_key(ref), decision.base)
             await self._maybe_fold(req, length, turns, urgent=bool(plan and plan.urgent_fold))
         except StoreUnavailable as exc:
-            self.views.drop(ref)
+            self.caches.views.drop(ref)
             if self.metrics is not None:
                 self.metrics.store_errors_total.inc()
-            log.warning("memory.record_failed", conversation=ref.conversation, error=type(exc).__name__)
+            if stored:  # the turns are stored; what failed after (stats, a fold's queueing) is caught up later
+                log.warning("memory.record_failed", conversation=ref.conversation, error=type(exc).__name__)
+                return
+            await self._defer(_Late(ref, dialect, req.model, req.incoming, req.hashes, req.chains, req.arrived,
+                                    _sent(req), reply, stats, req.plan, req.summarizer_charge,
+                                    _HELD_PER_BODY_BYTE * req.body_bytes), exc)
 
-    async def _record_again(self, req: _Request, reply: list[Turn]) -> tuple[_Request, list[Turn], AppendResult | None]:
+    async def _record_again(self, req: _Request, reply: list[Message], *,
+                            siblings: bool) -> tuple[_Request, list[Message], AppendResult | None]:
         """Decide and store the request's turns again, on what the store holds now."""
         view = await self.store.load(req.ref, head=self.settings.memory.keep_initial)
-        decision = await self._decide(req.ref, req.hashes, req.chains, view, req.arrived)
-        again = self._logical(req.ref, req.shape, req.model, view, decision, req.incoming, req.hashes, req.chains)
+        decision = await self._decide(req.ref, req.hashes, req.chains, view, req.arrived, siblings=siblings,
+                                      full=_resends_a_reply(req.dialect, req.incoming))
+        again = self._logical(req.ref, req.dialect, req.model, view, decision, req.incoming, req.hashes, req.chains,
+                              req.when)
         again.plan, again.summarizer_charge, again.arrived = req.plan, req.summarizer_charge, req.arrived
-        turns = [*again.new_turns, *reply]
+        turns = [*again.new_messages, *reply]
         return again, turns, await self._store_turns(again, reply, turns, None)
 
-    def _expect(self, req: _Request, turns: list[Turn], stats: dict[str, int]) -> tuple[str, ConversationView] | None:
-        """Know the view this record will leave, before the store confirms it (views.py).
-
-        Only a record that appends right after a view this process holds can be known: the chain
-        the store must end with is computed here. Returns it, with the view the turns go after."""
-        decision, ref = req.decision, req.ref
-        if not self.views.live or not turns or decision.action not in ("new", "extend", "delta"):
-            self.views.drop(ref)
-            return None
-        base = self.views.get(ref)
-        if base is None or base.length != decision.base or (base.last_chain or "") != decision.base_chain:
-            base = req.view if req.view.length == decision.base else None
-        if base is None:
-            self.views.drop(ref)
-            return None
-        chained = chain_hashes([t.hash for t in turns], prev=decision.base_chain)
-        for t, c in zip(turns, chained, strict=True):
-            t.chain = c
-        self.views.put(ref, advance(base, turns, dialect=req.shape.dialect, last_chain=chained[-1],
-                                    keep_initial=self.settings.memory.keep_initial, stats=stats,
-                                    fold_pending=base.fold_pending))
-        return chained[-1], base
-
-    async def _settle_known(self, req: _Request, turns: list[Turn], result: AppendResult | None,
-                            expected: tuple[str, ConversationView] | None) -> None:
-        """Keep the view `_expect` put when the store holds exactly that; reload it in the background
-        of this record when a fold or an edit changed the summary or state meanwhile."""
-        if expected is None:
+    async def _read_state(self, req: _Request, length: int) -> None:
+        """Read a conversation too short to fold into its state, every few turns (folds do it later):
+        by pattern (`state.extract`, off the event loop), whatever the summarizer, and by CAS (a
+        concurrent write wins; the next turns read again)."""
+        mem, view, ref = self.settings.memory, req.view, req.ref
+        ledger = state.load(view.state)
+        read = max(state.mark(ledger, ref.conversation), view.summary.covers if view.summary is not None else 0)
+        if length - read < max(2, mem.fold_batch // 2):
             return
-        chain, base = expected
-        ref = req.ref
-        if result is None or not result.ok or result.appended != len(turns) or result.chain != chain:
-            self.views.drop(ref)  # the store holds something else: the next request loads
-            return
-        known = self.views.get(ref)
-        if known is None:
-            return
-        # What folds spent (charged against the next request's savings) and whether one is queued
-        # come with the answer: neither waits for a reload.
-        spent = {k: max(known.stats.get(k, 0), n) for k, n in result.summarizer.items()}
-        if known.length == base.length + len(turns) and (
-                known.fold_pending != result.fold_queued or any(known.stats.get(k) != n for k, n in spent.items())):
-            known = replace(known, fold_pending=result.fold_queued, stats=known.stats | spent)
-            self.views.put(ref, known)
-        # A fold of this process has been taken already (_committed); another process's has not.
-        if result.summary_version > known.summary_version or result.state_version not in (-1, known.state_version):
-            await self._refresh(ref)
+        turns = await self.store.messages(ref, read, length)
+        updated = await asyncio.to_thread(state.extract, ledger, turns, read)
+        if await self.store.put_state(ref, state.marked(updated, ref.conversation, read + len(turns)).dump(),
+                                      expect_version=view.state_version) and updated is not ledger:
+            # Other replicas reload the view only when the state gained something, not for a mark.
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.announce(ref, "folded")
 
-    async def _maybe_fold(self, req: _Request, length: int, turns: list[Turn], *, urgent: bool) -> None:
+    async def _maybe_fold(self, req: _Request, length: int, turns: list[Message], *, urgent: bool) -> None:
         mem = self.settings.memory
         view = req.view
         covers = view.summary.covers if view.summary else 0
@@ -724,11 +736,18 @@ class Memory:
             return
         # A summary is read only by rewritten requests: while the conversation stays under both
         # thresholds it goes upstream whole, and folding it would spend summarizer CPU (or tokens) for
-        # nothing. And the load just said whether a fold is queued: asking Redis again is a round trip.
+        # nothing; its state is read all the same. And the load just said whether a fold is queued:
+        # asking Redis again is a round trip.
         tokens = view.tokens_total + sum(t.tokens for t in turns)
-        if view.fold_pending or not context.over_thresholds(length, tokens, mem):
+        if view.fold_pending:
             return
+        if not rewrite.over_thresholds(length, tokens, mem):
+            # Too short to fold, but its first messages may state a goal, decisions, constraints.
+            await self._read_state(req, length)
+            return
+        # The aged tokens only matter while fewer than fold_batch messages aged: not summed over a backlog.
+        few = len(aged) < mem.fold_batch
         if fold.should_fold(length=length, covers=covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
-                            aged_tokens=sum(t.tokens for t in aged), fold_tokens=mem.fold_tokens):
+                            aged_tokens=sum(t.tokens for t in aged) if few else None, fold_tokens=mem.fold_tokens):
             await self.store.enqueue_fold(req.ref)
-            self.views.update(req.ref, lambda known: replace(known, fold_pending=True))
+            self.caches.views.update(req.ref, lambda known: replace(known, fold_pending=True))

@@ -2,16 +2,23 @@
 
 Attributes carry the metric name without the `gateway_` prefix (`folds`, `store_errors`, …); each
 counter is also reachable by its exposed name (`folds_total`, `store_errors_total`, …).
-Who counts what: `app.py` counts `requests`, `overhead` and `upstream` for every proxied request;
+Labels: `provider` is the upstream's configured name, `model` the configured model name the
+request's model falls under (`Settings.model_label`, "other" otherwise): both bounded by the
+config. Never a tenant or a conversation id.
+Who counts what: `app.py` counts `requests`, `overhead`, `upstream` and `usage_tokens` for every
+proxied request;
 the memory path counts tokens and cost through `observe_tokens` (once, when it plans a request);
 fold workers count `folds`, `fold_seconds` and `summarizer_tokens`; the store's callers count
-`store_errors`.
+`store_errors`; the memory path's retry queue (backlog.py) counts `unrecorded` and sets
+`unrecorded_pending`.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from gateway.model import Usage
 
 # Gateway overhead is sub-millisecond when healthy: fine buckets at the low end.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -22,36 +29,56 @@ FOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("gateway_requests", "Requests handled", ("route", "context", "status"),
-                                registry=r)
+        self.requests = Counter("gateway_requests", "Requests handled",
+                                ("route", "context", "status", "provider", "model"), registry=r)
         self.tokens_original = Counter("gateway_tokens_original", "Estimated tokens of the client's requests",
-                                       registry=r)
+                                       ("provider", "model"), registry=r)
         self.tokens_forwarded = Counter("gateway_tokens_forwarded", "Estimated tokens forwarded upstream",
-                                        registry=r)
-        self.tokens_saved = Counter("gateway_tokens_saved", "Estimated tokens not sent upstream", registry=r)
+                                        ("provider", "model"), registry=r)
+        self.tokens_saved = Counter("gateway_tokens_saved", "Estimated tokens not sent upstream",
+                                    ("provider", "model"), registry=r)
+        self.usage_tokens = Counter("gateway_usage_tokens", "Tokens the upstream reported using (streams too)",
+                                    ("provider", "model", "kind"), registry=r)
         self.summarizer_tokens = Counter("gateway_summarizer_tokens", "Tokens spent by the summarizer",
                                          ("kind",), registry=r)
         self.overhead = Histogram("gateway_overhead_seconds", "Time in the gateway, not waiting on upstream",
                                   buckets=OVERHEAD_BUCKETS, registry=r)
-        self.upstream = Histogram("gateway_upstream_seconds", "Time waiting on the upstream",
+        self.upstream = Histogram("gateway_upstream_seconds", "Time waiting on the upstream", ("provider",),
                                   buckets=UPSTREAM_BUCKETS, registry=r)
         self.folds = Counter("gateway_folds", "Folds attempted, by result", ("result",), registry=r)
         self.fold_seconds = Histogram("gateway_fold_seconds", "Duration of a fold", buckets=FOLD_BUCKETS,
                                       registry=r)
         self.store_errors = Counter("gateway_store_errors", "Store operations that failed", registry=r)
-        self.cost_saved_usd = Counter("gateway_cost_saved_usd", "Estimated input cost saved (USD)", registry=r)
+        self.unrecorded = Counter("gateway_unrecorded", "Requests whose turn the store did not take when "
+                                  "answered, by what became of it (queued, recorded, dropped, failed)",
+                                  ("result",), registry=r)
+        self.unrecorded_pending = Gauge("gateway_unrecorded_pending", "Unrecorded requests queued for a retry",
+                                        registry=r)
+        self.cost_saved_usd = Counter("gateway_cost_saved_usd", "Estimated input cost saved (USD)",
+                                      ("provider", "model"), registry=r)
         for name in ("requests", "tokens_original", "tokens_forwarded", "tokens_saved", "summarizer_tokens",
-                     "folds", "store_errors", "cost_saved_usd"):
+                     "folds", "store_errors", "cost_saved_usd", "usage_tokens", "unrecorded"):
             setattr(self, f"{name}_total", getattr(self, name))
 
-    def observe_tokens(self, original: int, forwarded: int, usd_saved: float = 0.0) -> None:
-        """One planned request: its estimated tokens before and after the rewrite, and the input cost saved."""
-        self.tokens_original.inc(max(original, 0))
-        self.tokens_forwarded.inc(max(forwarded, 0))
+    def observe_tokens(self, original: int, forwarded: int, usd_saved: float = 0.0, *,
+                       model: str = "other", provider: str = "other") -> None:
+        """One planned request: its estimated tokens before and after the rewrite, and the input cost saved.
+
+        `model` must come from a bounded set (`Settings.model_label`): a client-chosen string as a
+        label value would grow the registry without bound."""
+        self.tokens_original.labels(provider, model).inc(max(original, 0))
+        self.tokens_forwarded.labels(provider, model).inc(max(forwarded, 0))
         if original > forwarded:
-            self.tokens_saved.inc(original - forwarded)
+            self.tokens_saved.labels(provider, model).inc(original - forwarded)
         if usd_saved > 0:
-            self.cost_saved_usd.inc(usd_saved)
+            self.cost_saved_usd.labels(provider, model).inc(usd_saved)
+
+    def observe_usage(self, provider: str, model: str, usage: Usage) -> None:
+        """What the upstream reported (JSON answers and streams alike)."""
+        for kind, n in (("input", usage.input_tokens), ("output", usage.output_tokens),
+                        ("cache_read", usage.cache_read_tokens), ("cache_write", usage.cache_write_tokens)):
+            if n:
+                self.usage_tokens.labels(provider, model, kind).inc(n)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

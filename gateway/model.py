@@ -1,7 +1,9 @@
 """Plain data shared by the pure core (context, reconcile, fold) and the edges (store, proxy).
 
-A *turn* here is one stored message, in its provider-native shape (`raw`), with what the gateway
-derived from it once: flattened text, token count, content hash and chain hash.
+A `Message` is one item of a conversation's history (a user, assistant, tool or developer message,
+or a Responses input item) in its provider-native shape (`raw`), with what the gateway derived from
+it once: flattened text, token count, content hash and chain hash. A *turn* is a user message and
+everything after it up to the next user message (docs/architecture.md, "Words").
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ ContextKind = Literal["passthrough", "full", "rewritten", "degraded"]
 
 
 @dataclass(slots=True)
-class Turn:
+class Message:
     """One message of a conversation as the gateway keeps it."""
 
     raw: dict[str, Any]  # provider-native message / input item, forwarded verbatim
@@ -54,8 +56,8 @@ class ConversationView:
     summary: Summary | None
     state: dict[str, Any] | None  # project-state ledger JSON (rendered by state.py)
     state_version: int
-    head: list[Turn]  # the first `head` messages asked for (keep_initial)
-    tail: list[Turn]  # messages [tail_start, length): everything after the summary's coverage
+    head: list[Message]  # the first `head` messages asked for (keep_initial)
+    tail: list[Message]  # messages [tail_start, length): everything after the summary's coverage
     tail_start: int
     tokens_total: int  # sum of the stored messages' tokens
     stats: dict[str, int] = field(default_factory=dict)
@@ -77,3 +79,4 @@ class Plan:
     tokens_original: int
     tokens_forwarded: int
     urgent_fold: bool = False
+    reason: str = ""  # why the request goes as it does: one of rewrite.REASONS

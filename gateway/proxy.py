@@ -10,6 +10,8 @@ Errors raised here are `GatewayError`s; `app.py` renders them once, in the calle
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -19,16 +21,18 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
+from gateway import paths
 from gateway.auth import Authenticator, AuthError
 from gateway.config import Settings
 from gateway.dialects import Dialect, dialect_for_path
 from gateway.metrics import Metrics
 from gateway.model import Usage
 from gateway.resend import ResendParser
+from gateway.stream_usage import UsageTap, ask_for_usage
 from gateway.transport import HTTPClient, Response, UpstreamError, UpstreamTimeout
 from gateway.upstream import Upstream, request_headers, response_headers, upstreams
 
-# --- the hook seam (docs/interfaces.md, "proxy hook") ---------------------------------------------
+# --- the hook seam: what the memory layer (memory.py) implements ---------------------------------
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class Prepared:
     body: bytes | None  # None: forward the client's original bytes
     headers: dict[str, str]  # added to the response (x-gateway-context, x-gateway-tokens-*)
     on_success: Callable[[list[dict[str, Any]], Usage], Coroutine[Any, Any, None]] | None = None
+    excerpts: str = ""  # what the rewrite recalled for the newest turn (the dashboard shows it)
 
 
 class MemoryHook(Protocol):
@@ -58,10 +63,14 @@ class MemoryHook(Protocol):
 
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 413: "request_too_large",
     415: "invalid_request_error", 500: "api_error", 502: "api_error", 503: "overloaded_error",
-    504: "timeout_error",
+    504: "timeout_error", 508: "api_error",
 }
+# Added to every request the gateway forwards: a request that comes back carrying this process's
+# id is a loop (an upstream base_url pointing at the gateway itself) and is refused at once.
+HOP_HEADER = "X-Gateway-Hop"
+MAX_HOPS = 8
 
 
 class GatewayError(Exception):
@@ -85,15 +94,30 @@ class Record:
     status: int = 0
     context: str = "passthrough"
     conversation: str | None = None
+    project: str | None = None  # X-Project-Id (conversation.project_headers)
     tenant: str | None = None
     stream: bool = False
     upstream_s: float = 0.0
     request_id: str | None = None
     usage: Usage | None = None
+    model: str | None = None
+    provider: str | None = None
+    gateway: dict[str, str] | None = None  # the memory path's x-gateway-* headers
+    excerpts: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 RECORD = web.RequestKey("gateway_record", Record)
+TAP: web.RequestKey[UsageTap | None] = web.RequestKey("gateway_usage_tap")
+
+async def read_body(request: web.Request, seconds: float) -> bytes:
+    """The request body; over server.max_body_bytes → aiohttp's 413, slower than `seconds` → 408."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await request.read()
+    except TimeoutError:
+        raise GatewayError(408, None, f"the request body did not arrive within {seconds:g} s") from None
+
 
 def upstream_error(exc: UpstreamError) -> GatewayError:
     if isinstance(exc, UpstreamTimeout):
@@ -120,33 +144,43 @@ class Proxy:
         self.auth = Authenticator(settings)
         self.upstreams: dict[str, Upstream] = upstreams(settings)
         self.conversation_headers = tuple(settings.conversation.headers)
+        self.project_headers = tuple(settings.conversation.project_headers)
         self.bodies = ResendParser()
         self.client: HTTPClient | None = None  # opened by the app's cleanup_ctx, inside the event loop
+        self.hop_id = os.urandom(6).hex()
 
     async def handle(self, request: web.Request, *, memory: bool, json_body: bool) -> web.StreamResponse:
         rec = request[RECORD]
         headers = request.headers
         dialect = dialect_for_path(request.path, headers)
+        hops = self._hops(headers)
         for name in self.conversation_headers:
             conv = headers.get(name)
             if conv:
-                rec.conversation = conv
+                rec.conversation = paths.conversation_id(conv)
+                break
+        for name in self.project_headers:
+            project = headers.get(name)
+            if project:
+                rec.project = paths.conversation_id(project)
                 break
         try:
             ident = self.auth.identify(headers)
         except AuthError as exc:
             raise GatewayError(401, None, str(exc)) from None
         rec.tenant = ident.tenant
+        if not paths.forwardable(request.raw_path):
+            raise GatewayError(400, None, "an encoded slash or a backslash in the path is not forwarded")
+        remember = memory and self.hook is not None and not ident.anonymous
 
-        raw = await request.read()  # over server.max_body_bytes → aiohttp's 413, rendered by app.py
+        raw = await read_body(request, self.settings.server.body_timeout_seconds)
         body: dict[str, Any] | None = None
         stream = False
         if json_body:
             if not _is_json(request.content_type):
                 raise GatewayError(415, None, f"Content-Type must be application/json, not {request.content_type!r}")
             # A conversation's resent history is parsed only around what its last request held.
-            key = ((ident.tenant, rec.conversation, dialect.name)
-                   if memory and self.hook is not None and rec.conversation else None)
+            key = (ident.tenant, rec.conversation, dialect.name) if remember and rec.conversation else None
             try:
                 body = self.bodies.loads(key, raw, dialect.history_field)
             except orjson.JSONDecodeError as exc:
@@ -155,20 +189,46 @@ class Proxy:
                 raise GatewayError(400, None, "request body must be a JSON object")
             stream = dialect.is_stream(body)
             rec.stream = stream
+            model = body.get("model")
+            rec.model = model if isinstance(model, str) else None
 
         prepared: Prepared | None = None
-        if memory and self.hook is not None and body is not None:
+        if memory and self.hook is not None and ident.anonymous and rec.conversation:
+            # Without a credential there is no tenant to keep it for: passed through, never shared.
+            prepared = Prepared(None, {"x-gateway-context": "passthrough", "x-gateway-reason": "no-credential"})
+        elif remember and self.hook is not None and body is not None:
             prepared = await self.hook.prepare(Call(dialect, request.path, body, raw, headers,
                                                     ident.credential, ident.tenant, stream))
             if prepared is not None:
                 rec.context = prepared.headers.get("x-gateway-context", "passthrough")
+                rec.gateway, rec.excerpts = prepared.headers, prepared.excerpts
                 if prepared.body is not None:
                     raw = prepared.body
+        tap: UsageTap | None = None
+        if stream and body is not None and dialect.name == "openai_chat":
+            # A request without a conversation goes upstream byte for byte (DESIGN): its usage is read
+            # only when its client asked for it.
+            asked = ask_for_usage(body, raw) if rec.conversation is not None else None
+            tap = UsageTap(strip=asked is not None)
+            raw = asked or raw
 
         upstream = self.upstreams[dialect.upstream]
-        out_headers = request_headers(headers, upstream.auth_headers(),
+        rec.provider = upstream.name
+        out_headers = request_headers(headers, upstream.auth,
                                       keep_credentials=upstream.api_key is None and ident.credential is not None)
+        out_headers.append((HOP_HEADER, f"{hops}, {self.hop_id}" if hops else self.hop_id))
+        request[TAP] = tap
         return await self._forward(request, rec, dialect, upstream, raw, out_headers, prepared, memory)
+
+    def _hops(self, headers: CIMultiDictProxy[str]) -> str:
+        """The hop marker the request came with; a loop back into this process is a 508 at once."""
+        hops = ", ".join(headers.getall(HOP_HEADER, ()))
+        seen = [h.strip() for h in hops.split(",") if h.strip()]
+        if self.hop_id in seen or len(seen) >= MAX_HOPS:
+            raise GatewayError(508, None, "loop detected: this request came back through the gateway; an "
+                               "upstreams.<name>.base_url points at the gateway itself, not at the provider",
+                               {"x-should-retry": "false"})
+        return hops
 
     async def _forward(self, request: web.Request, rec: Record, dialect: Dialect, upstream: Upstream,
                        data: bytes, headers: list[tuple[str, str]], prepared: Prepared | None,
@@ -228,11 +288,16 @@ class Proxy:
                 payload = await resp.read()
             except UpstreamError as exc:  # a body that does not decode; nothing is sent yet
                 raise upstream_error(exc) from exc
-            return web.Response(body=payload, status=resp.status, headers=out_headers), (
-                _rebuilt(dialect, payload, rec) if rebuild else None)
+            tap = request.get(TAP)
+            result = _rebuilt(dialect, payload, rec) if rebuild else None
+            if tap is not None:
+                payload = tap.feed(payload) + tap.flush()
+                rec.usage = rec.usage if rec.usage is not None and rec.usage.input_tokens else tap.usage
+            return web.Response(body=payload, status=resp.status, headers=out_headers), result
         out = web.StreamResponse(status=resp.status, headers=out_headers)
         await out.prepare(request)
         tee: list[bytes] | None = [] if rebuild else None
+        tap = request.get(TAP)
         complete = False
         try:
             while True:
@@ -252,7 +317,13 @@ class Proxy:
                     break
                 if tee is not None:
                     tee.append(chunk)
+                if tap is not None:
+                    chunk = tap.feed(chunk)
+                    if not chunk:
+                        continue
                 await out.write(chunk)
+            if tap is not None and (rest := tap.flush()):
+                await out.write(rest)
             await out.write_eof()
         except ConnectionResetError:
             # The client went away: close the upstream connection so the provider stops generating.
@@ -262,6 +333,8 @@ class Proxy:
         if not complete:
             rec.extra["stream_interrupted"] = True
             return out, None
+        if tap is not None:
+            rec.usage = tap.usage
         if tee is None:
             return out, None
         return out, _rebuilt(dialect, b"".join(tee), rec)

@@ -14,10 +14,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from gateway.model import Turn
-from gateway.retrieval import RetrievalIndex
+from gateway.embed import nearest
+from gateway.model import Message
+from gateway.retrieval import _STAMP_RE, RetrievalIndex
 
 # Tokens of an excerpt's "[message 123, assistant, 2023-05-08T13:56:00]" header (cl100k: 17-19).
 EXCERPT_HEADER_TOKENS = 20
@@ -26,11 +27,13 @@ EXCERPT_HEADER_TOKENS = 20
 # in one go would stall every other request for ~65 ms.
 SLICE_MESSAGES = 64
 SLICE_SECONDS = 0.002
+# Messages nearest the question by embedding that are fused with the lexical ranking.
+DENSE_TOP = 50
 
 T = TypeVar("T")
 
 # (conversation key) → messages [start, stop) from the store
-FetchTurns = Callable[[int, int], Awaitable[list[Turn]]]
+FetchTurns = Callable[[int, int], Awaitable[list[Message]]]
 
 
 class Column(Generic[T]):
@@ -92,6 +95,40 @@ class _Entry:
     # The last search (arguments, version, result): a retried or regenerated request asks again
     # with the same question over the same messages.
     last: tuple[tuple[object, ...], int, list[Recalled]] | None = None
+    # Embeddings (gateway/embed.py), when on: int8 rows for positions [0, embedded), filled in the
+    # background; `cuts` counts truncations, so a batch embedded across one is discarded.
+    vectors: Any = None
+    embedded: int = 0
+    cuts: int = 0
+    dropped: bool = False  # evicted or forgotten: a queued embedding job for it is skipped
+
+    def behind(self) -> bool:
+        return self.embedded < len(self.rows) and not self.dropped
+
+    def take(self, n: int) -> tuple[int, list[str], int] | None:
+        """The texts of the next `n` positions without vectors (the embedder's batch)."""
+        start = self.embedded
+        stop = min(len(self.rows), start + n)
+        if stop <= start or self.dropped:
+            return None
+        # The date stamp some clients open a session with says nothing about the subject.
+        texts = [_STAMP_RE.sub("", self.rows[i][1], count=1) for i in range(start, stop)]
+        return start, texts, self.cuts
+
+    def put(self, start: int, vectors: Any, cuts: int) -> None:
+        if cuts != self.cuts or start != self.embedded or start + len(vectors) > len(self.rows):
+            return  # the conversation branched meanwhile: these texts may no longer be its history
+        import numpy as np
+
+        need = start + len(vectors)
+        if self.vectors is None or len(self.vectors) < need:
+            grown = np.zeros((max(need, 2 * (0 if self.vectors is None else len(self.vectors)), 64),
+                              vectors.shape[1]), np.int8)
+            if self.vectors is not None:
+                grown[:start] = self.vectors[:start]
+            self.vectors = grown
+        self.vectors[start:need] = vectors
+        self.embedded = need
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,24 +141,28 @@ class Recalled:
 
 
 class RecallCache:
-    def __init__(self, max_conversations: int = 512) -> None:
+    def __init__(self, max_conversations: int = 512, embedder: Any = None) -> None:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._max = max_conversations
+        # gateway.embed.Embedder when memory.retrieval.embeddings is on: None never loads the model.
+        self.embedder = embedder
 
     def _entry(self, key: Hashable) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
             while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
+                self._entries.popitem(last=False)[1].dropped = True
         else:
             self._entries.move_to_end(key)
         return entry
 
     def forget(self, key: Hashable) -> None:
-        self._entries.pop(key, None)
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry.dropped = True
 
-    def _add(self, entry: _Entry, turns: Sequence[Turn]) -> None:
+    def _add(self, entry: _Entry, turns: Sequence[Message]) -> None:
         if turns:
             entry.version += 1
         for turn in turns:
@@ -138,8 +179,10 @@ class RecallCache:
             entry.version += 1
             entry.index.truncate(length)
             entry.rows.truncate(length)
+            entry.cuts += 1
+            entry.embedded = min(entry.embedded, length)
 
-    async def sync(self, key: Hashable, tail: Sequence[Turn], tail_start: int, fetch: FetchTurns) -> None:
+    async def sync(self, key: Hashable, tail: Sequence[Message], tail_start: int, fetch: FetchTurns) -> None:
         """Make every stored position [0, tail_start + len(tail)) searchable.
 
         The tail was just loaded, so only positions before it that this process has never seen
@@ -161,8 +204,15 @@ class RecallCache:
                     return  # a branch cut the index back meanwhile: the next sync goes on from there
                 have = tail_start
             self._add(entry, tail[have - tail_start:])
+            if self.embedder is not None and entry.behind():
+                self.embedder.notify(key, entry)  # embedded in the background, never by this request
 
-    async def _catch_up(self, entry: _Entry, start: int, turns: Sequence[Turn]) -> bool:
+    def embedded(self, key: Hashable) -> int:
+        """Positions [0, n) of `key` that have vectors."""
+        entry = self._entries.get(key)
+        return entry.embedded if entry is not None else 0
+
+    async def _catch_up(self, entry: _Entry, start: int, turns: Sequence[Message]) -> bool:
         """Index `turns` (positions from `start`), yielding to the event loop between slices.
 
         False when the index no longer ends where this slice starts (truncated by a branch)."""
@@ -192,20 +242,26 @@ class RecallCache:
         budget_tokens: int,
         recent: Sequence[str] = (),
         query_time: str | None = None,
+        query_vector: Any = None,
     ) -> list[Recalled]:
-        """Best earlier messages among positions [after, before), within budget."""
+        """Best earlier messages among positions [after, before), within budget; fused with the
+        messages nearest `query_vector` among those embedded so far, when given."""
         entry = self._entries.get(key)
         if entry is None or budget_tokens <= 0 or before <= max(after, 0):
             return []
-        args = (query, after, before, budget_tokens, tuple(recent), query_time)
+        dense_stop = min(before, entry.embedded) if query_vector is not None else 0
+        args = (query, after, before, budget_tokens, tuple(recent), query_time, dense_stop)
         if entry.last is not None and entry.last[1] == entry.version and entry.last[0] == args:
             return list(entry.last[2])
 
         def excluded(pos: int) -> bool:
             return pos >= before or pos < after
 
+        dense: list[tuple[int, float]] = []
+        if dense_stop > max(after, 0):
+            dense = nearest(entry.vectors, query_vector, max(after, 0), dense_stop, DENSE_TOP)
         hits = entry.index.search(
-            query, budget_tokens=budget_tokens, exclude=excluded, recent=recent, query_time=query_time
+            query, budget_tokens=budget_tokens, exclude=excluded, recent=recent, query_time=query_time, dense=dense
         )
         rows = entry.rows
         found = [Recalled(h.index, *rows[h.index][:4]) for h in hits]

@@ -1,11 +1,11 @@
 """Parse a resent history without parsing again the part that was sent before.
 
-Full-history clients send every earlier message again on every call. At 1,000 messages the body is
-~300 KB of JSON: parsing it (~0.6 ms here) and then comparing the parsed messages with the previous
-request's took a third of the gateway's CPU per request, the one part of the memory path that grew
-with the history. The earlier messages are the same bytes every time, so for each conversation
-the parser keeps the bytes of the last body's history items (`items_raw`, first to last) with what
-they parsed to. A body that holds those bytes again is parsed around them only:
+Full-history clients send every earlier message again on every call: parsing the whole body and
+then comparing the parsed messages with the previous request's was the one part of the memory
+path that grew with the history (measured in docs/architecture.md). The earlier messages are the
+same bytes every time, so for each conversation the parser keeps the bytes of the last body's
+history items (`items_raw`, first to last) with what they parsed to. A body that holds those
+bytes again is parsed around them only:
 
     head                       | known items                  | tail
     {"model":"m","messages":[  | {...},{...},...,{...}        | ,{new},{new}],"stream":true}
@@ -33,6 +33,7 @@ in place (nothing in the gateway does: the rewrite renders new lists and dicts).
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -64,10 +65,29 @@ class _Known:
     items_raw: bytes  # the history items' bytes, from the first one's start to the last one's end
     items: tuple[Any, ...]  # what they parse to
     used: float  # monotonic time of the last body parsed around them
+    size: int  # bytes held: the raw bytes and the parsed objects
+
+
+def held(value: Any) -> int:
+    """Bytes the parsed `value` holds. The objects weigh 1.3x (long strings) to 9x (many small
+    parts) their JSON, so the bound counts them rather than the raw bytes. One pass over what was
+    just parsed (an iterative walk: no recursion limit whatever the nesting)."""
+    total = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        total += sys.getsizeof(v)
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
 
 
 class ResendParser:
-    """`orjson.loads` that remembers, per key, the last body's history items (LRU, bounded in bytes)."""
+    """`orjson.loads` that remembers, per key, the last body's history items (LRU, bounded by the
+    bytes they hold, parsed objects included)."""
 
     def __init__(self, max_bytes: int = 64 << 20, min_bytes: int = 16 << 10,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -120,13 +140,14 @@ class ResendParser:
             if end is None:
                 self._forget(key)
             else:
-                self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items, self.clock()))
+                size = known.size + end + held(new)
+                self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items, self.clock(), size))
         return body
 
     def _learn(self, key: Hashable, raw: bytes, body: Any, field: str) -> None:
         """Find the history's bounds in a body parsed whole, to parse only around it next time."""
         self._forget(key)
-        if not isinstance(body, dict) or not self._room(len(raw)):
+        if not isinstance(body, dict) or not self._room(2 * len(raw)):  # at least twice: bytes and objects
             return
         items = body.get(field)
         if not isinstance(items, list) or not items:
@@ -138,7 +159,9 @@ class ResendParser:
         after = {k: body[k] for k in names[names.index(field) + 1:]}
         end = _items_end(raw, start, b"[", items, after=after)
         if end is not None:
-            self._put(key, _Known(raw[start:end], tuple(items), self.clock()))
+            size = end - start + held(items)
+            if self._room(size):
+                self._put(key, _Known(raw[start:end], tuple(items), self.clock(), size))
 
     def _room(self, size: int) -> bool:
         """Would `size` more bytes fit, evicting only conversations not used for HOT_SECONDS?"""
@@ -149,7 +172,7 @@ class ResendParser:
         for known in self._known.values():  # least recently used first
             if known.used > stale:
                 return False
-            free += len(known.items_raw)
+            free += known.size
             if free >= size:
                 return True
         return False
@@ -157,15 +180,15 @@ class ResendParser:
     def _put(self, key: Hashable, known: _Known) -> None:
         self._forget(key)
         self._known[key] = known
-        self._bytes += len(known.items_raw)
+        self._bytes += known.size
         while self._bytes > self.max_bytes and self._known:
             _, old = self._known.popitem(last=False)
-            self._bytes -= len(old.items_raw)
+            self._bytes -= old.size
 
     def _forget(self, key: Hashable) -> None:
         old = self._known.pop(key, None)
         if old is not None:
-            self._bytes -= len(old.items_raw)
+            self._bytes -= old.size
 
 
 def _head(head: bytes, field: str) -> dict[str, Any] | None:

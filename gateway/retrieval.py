@@ -5,59 +5,38 @@ earlier excerpts" just before the newest user turn. This module picks those exce
 pure-Python lexical index over one conversation's messages (by position), searched with the newest
 user message under a token budget. No I/O; the caller owns the message texts and the rendering.
 
-Ranking (each step measured with ``scripts/tune_retrieval.py`` on the LongMemEval_S dev file: 30
-conversations of ~500 messages, 28 probes with evidence, window of 10, budget 6500 tokens unless
-said; "mean" is recall averaged over budgets 1000/2000/3500/5000/6500):
+Ranking (why each step is there, with what it gained on the development set, is in
+docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 
 1. BM25 (k1 1.2, b 0.75) per message over lower-cased words with stop words dropped and a light
-   suffix stemmer, a leading "[2023/08/11 (Fri) 15:58]" stamp stripped so dates don't match as
-   words. Plain BM25 on raw words, greedy by score (``RankingParams.plain()``): recall 0.833 at
-   6500 (tokens ratio 0.094), 0.738 at 1500; mean 0.769.
+   suffix stemmer, a leading "[2023/08/11 (Fri) 15:58]" stamp stripped so dates don't match as words.
 2. Query words that only say "this is a memory question" (remind, previous, conversation,
-   mentioned) are dropped: they match every chatty message. +0.03 at 1000 tokens.
+   mentioned) are dropped: they match every chatty message.
 3. Neighbours: a message also scores 0.3 x the scores of the messages right before and after it in
    the same session: a question and its answer sit side by side and the answer often does not
-   repeat the question's words ("your move after 27. Kg2?" -> "28. Kg3 would be my move.").
-4. Knapsack fill: messages are taken greedily by score / tokens^0.5, not by score. Evidence is
-   mostly short user turns, while a long assistant answer matching on a few words eats the budget
-   of ten of them. With 1-3: 0.839 -> 0.923 at 6500.
-5. Whole sessions: each session is scored as one BM25 document (its messages' term frequencies
-   summed, saturated); every message of a session above the median session gets
-   0.7 x (its excess / the best excess) x the best message score. Facts on one topic are spread
-   over a session's turns, and "accessories for my photography setup" matches a session about a
-   Sony camera (flash, lens, bag) far better than any one of its messages. Mean 0.880 -> 0.945.
-   Measured relative to the median so that a prior lifting every session alike (a one-session
-   conversation) changes nothing instead of letting short off-topic turns win on density.
-6. Time: "two months ago", "last Tuesday", "last week", "yesterday", "in March", "March 3rd" are
-   resolved against the question's time (``query_time``, else a leading stamp in the query, else
-   the latest indexed message) and, at indexing, against each message's own time ("last Sunday"
-   said on 2023-09-16 is about 2023-09-10). Messages whose day or resolved event days fall in the
-   question's span get 0.5 x the best score, so "what did I do last Tuesday?" works with no content
-   word to match (skipped when the span covers most of the conversation). Neutral on the dev file,
-   where the lexical match already finds the one such item.
-7. Recent turns: a query of at most 3 content words ("and the second one?") takes the 8 rarest
-   indexed words of the last two ``recent`` texts at weight 0.2. Expanding every query cost 0.017
-   at 3500 tokens (the dev questions are self-contained), hence the gate.
+   repeat the question's words.
+4. Knapsack fill: messages are taken greedily by score / tokens^0.5, not by score: evidence is
+   mostly short user messages, while a long answer matching on a few words eats the budget.
+5. Whole sessions: each session is scored as one BM25 document; every message of a session above
+   the median session gets 0.7 x (its excess / the best excess) x the best message score. Facts on
+   one topic are spread over a session's messages. Relative to the median so that a prior lifting
+   every session alike (a one-session conversation) changes nothing.
+6. Time: "two months ago", "last Tuesday", "in March", "March 3rd" are resolved against the
+   question's time (`query_time`, else a leading stamp in the query, else the latest indexed
+   message) and, at indexing, against each message's own time. Messages whose day or resolved
+   event days fall in the question's span get 0.5 x the best score (skipped when the span covers
+   most of the conversation).
+7. Recent messages: a query of at most 3 content words ("and the second one?") takes the 8 rarest
+   indexed words of the last two `recent` texts at weight 0.2.
 
-Result: recall 0.964 at 6500 tokens (tokens ratio 0.094 with window, summary and state), 0.964 at
-3500 (0.065), 0.923 at 1500 (0.046); mean 0.945 vs 0.769 for plain BM25. The one miss left is a
-vocabulary gap ("dinner with my homegrown ingredients" vs "basil, mint, cherry tomatoes from my
-garden") that no lexical method closes. Also measured and dropped: a user-message boost (x1.3:
-+0.005 at most once step 4 is on), max instead of sum over neighbours (equal or worse), a BM25
-length term for sessions (no change).
-
-Cost: ``add`` is O(message length). Postings are per-term ``bytearray``s of native uint32
-``position << 8 | tf`` (4 bytes a posting, tf capped at 255, read through ``memoryview.cast``),
-a bare int while a term has one posting. Not ``array('I')``: arrays are objects the cyclic GC
-tracks, and a full collection walked every term of every cached conversation on the event loop
-(120 conversations of 500 dev-set messages: 386,000 tracked objects, a 43 ms pause); a dict of
-strings to ints and bytearrays is not tracked at all. Terms are interned so cached conversations
-share their strings: ~0.9 MB for 1,000 messages. ``search`` walks the postings of the query words
-that rank (not those in more than half the messages), reads per-session frequencies cached per
-queried term (brought up to date from new postings only), lifts the messages of the sessions above
-the median, and is O(messages) for the time prior only when the question names a time: 0.43 ms
-p50, 0.76 ms p99 on the dev file's ~500-message conversations (``scripts/tune_retrieval.py``;
-0.49 / 1.09 ms when every query summed every posting of its words per session).
+Cost: `add` is O(message length). Postings are per-term `bytearray`s of native uint32
+`position << 8 | tf` (tf capped at 255, read through `memoryview.cast`), a bare int while a term
+has one posting. Not `array('I')`: arrays are objects the cyclic GC tracks, and its full
+collections walked every term of every cached conversation on the event loop; a dict of strings
+to ints and bytearrays is not tracked at all. Terms are interned so cached conversations share
+their strings. `search` walks the postings of the query words that rank (not those in more than
+half the messages), reads per-session frequencies cached per queried term (brought up to date
+from new postings only), and is O(messages) for the time prior only when the question names a time.
 """
 
 from __future__ import annotations
@@ -107,6 +86,14 @@ class RankingParams:
     recent_max_query_words: int = 3
     # A gap longer than this (or a message opening with a date stamp) starts a new session.
     session_gap_s: float = 1800.0
+    # Hybrid search (`dense` given): "sum" adds to the lexical score dense_weight x the best lexical
+    # score x the cosine's excess over the dense list's last entry, relative to the best cosine's;
+    # "rrf" scores dense_weight / (rrf_k + rank) per list a message is ranked in (lexical after its
+    # priors, dense by cosine). Reciprocal ranks are nearly flat down a list, so the fill's
+    # per-token value then prefers the shortest messages: "sum" kept more evidence.
+    fusion: str = "sum"
+    dense_weight: float = 0.5
+    rrf_k: float = 60.0
 
     @classmethod
     def plain(cls) -> RankingParams:
@@ -467,14 +454,16 @@ class RetrievalIndex:
         exclude: Callable[[int], bool] | set[int] | frozenset[int] | range = frozenset(),
         recent: Sequence[str] = (),
         query_time: str | None = None,
+        dense: Sequence[tuple[int, float]] = (),
     ) -> list[Excerpt]:
         """Best-matching messages, greedily filling budget_tokens with WHOLE messages (a message whose
         tokens exceed the remaining budget is skipped, smaller ones may still fit); returned in
         conversation order (ascending index). `exclude`: positions never returned (the window, messages
         already forwarded). `recent`: texts of the latest turns for optional query expansion.
-        `query_time`: ISO time of the question if known."""
+        `query_time`: ISO time of the question if known. `dense`: (position, cosine) of the messages
+        closest to the query by embedding, best first (gateway/embed.py), fused with the lexical ranks."""
         n = len(self._lengths)
-        if n == 0 or budget_tokens <= 0 or not query:
+        if n == 0 or budget_tokens <= 0 or not (query or dense):
             return []
         p = self._p
         when = _parse_time(query_time)
@@ -502,7 +491,7 @@ class RetrievalIndex:
                 last = self._last_secs
                 if last == last:
                     spans = _time_spans(query, date.fromordinal(_day(last)))
-        if not weights and not spans:
+        if not weights and not spans and not dense:
             return []
 
         scores = self._bm25(weights, n)
@@ -513,6 +502,8 @@ class RetrievalIndex:
             self._add_session_prior(weights, scores, n, top)
         if spans:
             self._add_time_prior(spans, scores, n, top)
+        if dense:
+            scores = self._fuse(scores, dense, exclude)
         return self._fill(scores, budget_tokens, exclude)
 
     # ---------------------------------------------------------------------------------- internals
@@ -632,6 +623,36 @@ class RetrievalIndex:
         get = scores.get
         for d in hits:
             scores[d] = get(d, 0.0) + bonus
+
+    def _fuse(
+        self,
+        scores: dict[int, float],
+        dense: Sequence[tuple[int, float]],
+        exclude: Callable[[int], bool] | set[int] | frozenset[int] | range,
+    ) -> dict[int, float]:
+        p = self._p
+        n = len(self._lengths)
+        dense = [(d, c) for d, c in dense if 0 <= d < n]
+        if not dense:
+            return scores
+        if p.fusion == "sum":
+            top = max(scores.values(), default=0.0) or 1.0
+            floor = dense[-1][1]
+            span = dense[0][1] - floor
+            fused = dict(scores)
+            if span > 0:
+                scale = p.dense_weight * top / span
+                for d, c in dense:
+                    fused[d] = fused.get(d, 0.0) + scale * (c - floor)
+            return fused
+        excluded = exclude if callable(exclude) else exclude.__contains__
+        k = p.rrf_k
+        lexical = sorted((d for d in scores if not excluded(d)), key=scores.__getitem__, reverse=True)
+        fused = {d: 1.0 / (k + r) for r, d in enumerate(lexical, 1)}
+        get = fused.get
+        for r, (d, _) in enumerate(dense, 1):
+            fused[d] = get(d, 0.0) + p.dense_weight / (k + r)
+        return fused
 
     def _fill(
         self,

@@ -12,13 +12,14 @@ as `StateUpdate` JSON and `apply_update` merges them under the same rules.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
+from itertools import islice
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.model import Turn
+from gateway.model import Message
 
 Kind = Literal["goal", "architecture", "tech_stack", "decisions", "constraints", "preferences",
                "open_tasks", "facts"]
@@ -34,6 +35,9 @@ TITLES: dict[Kind, str] = {
 }
 # The ledger lives in one Redis value read on every request: bound it. Superseded items go first.
 MAX_ITEMS = 200
+MAX_WAS = 2
+WAS_WORDS = 24
+MAX_MARKS = 256  # conversations of one project remembered by their read marks (oldest dropped)
 
 
 class Item(BaseModel):
@@ -45,6 +49,9 @@ class Item(BaseModel):
     time: str | None = None  # ISO 8601 of the source message, or of the edit
     superseded_by: str | None = None
     edited: bool = False
+    # What this item replaced, newest first (a decision changed twice keeps both earlier ones):
+    # rendered as "(since DATE; was Y)". Bounded by MAX_WAS, each clipped to WAS_WORDS words.
+    was: list[str] = Field(default_factory=list)
 
 
 class Ledger(BaseModel):
@@ -59,6 +66,9 @@ class Ledger(BaseModel):
     open_tasks: list[Item] = Field(default_factory=list)
     facts: list[Item] = Field(default_factory=list)
     seq: int = 0  # last item id issued: ids stay unique across supersessions and pruning
+    # Messages of each conversation the ledger has read ([0, mark)): a project's conversations share
+    # one ledger, and state is read from every conversation's first messages, not only from folds.
+    marks: dict[str, int] = Field(default_factory=dict)
 
     def items(self, kind: Kind) -> list[Item]:
         return getattr(self, kind)  # type: ignore[no-any-return]
@@ -96,7 +106,11 @@ class StateUpdate(BaseModel):
 
 _WORD = re.compile(r"[a-z0-9]+")
 # Tokens that carry a value: a changed number or identifier means an update, not a duplicate.
-_VALUE = re.compile(r"\d[\w.:/-]*|[\w.-]*/[\w./-]+|[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b|\b[A-Z][a-z]+[A-Z]\w*")
+# The lookbehinds start a run-scanning alternative only where its run starts: tried from every
+# character of a long run it was quadratic (a 96 KB word froze a fold for 20 s). Same matches:
+# an alternative that fails from a run's start fails from inside it too (tests/test_patterns.py).
+_VALUE = re.compile(r"\d[\w.:/-]*|(?<![\w.-])[\w.-]*/[\w./-]+|(?<![A-Z])[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b"
+                    r"|\b[A-Z][a-z]+[A-Z]\w*")
 
 
 # Cached: every new statement is compared with each active item of its kind, whose texts come
@@ -118,9 +132,23 @@ def _similar(a: str, b: str, threshold: float = 0.6) -> bool:
     return len(wa & wb) / len(wa | wb) >= threshold
 
 
+def _contained(a: str, b: str) -> float:
+    """Share of a's words that b also has."""
+    wa, wb = _words(a), _words(b)
+    return len(wa & wb) / len(wa) if wa else 0.0
+
+
 def is_duplicate(new: str, old: str) -> bool:
-    """Same statement: similar words and no value the old one lacks."""
-    return _similar(new, old, 0.85) and _values(new) <= _values(old)
+    """Same statement: similar words (or all of new's words in old), and no value the old one lacks."""
+    if not _values(new) <= _values(old):
+        return False
+    return _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9)
+
+
+def is_restatement(new: str, old: str) -> bool:
+    """`new` says all that `old` said and more (a near-duplicate that extends it): it takes old's place."""
+    return (len(_words(old)) >= 4 and len(_words(new) - _words(old)) >= 2 and _values(old) <= _values(new)
+            and _contained(old, new) >= 0.9 and _similar(new, old, 0.5))
 
 
 def is_update(new: str, old: str) -> bool:
@@ -152,7 +180,7 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
         return None
     existing = ledger.active(kind)
     for old in existing:
-        if is_duplicate(text, old.text) and (old.edited or not edited):
+        if is_duplicate(text, old.text) and not is_restatement(text, old.text) and (old.edited or not edited):
             return None
     item = Item(id=_next_id(ledger), text=text, source=source, time=time, edited=edited)
     targets: list[Item] = []
@@ -161,21 +189,38 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
     targets += [old for old in existing if is_update(text, old.text)]
     if kind == "goal":
         targets += existing
+    merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]
     for old in targets:
         if old.edited and not edited:
             continue  # an edit wins over anything extracted later
         old.superseded_by = item.id
+        if old in existing and kind != "goal":  # a goal is restated whole, not changed piecemeal
+            record_replaced(item, old)
+    for old in merged:
+        if not old.edited or edited:
+            old.superseded_by = item.id  # the same statement, extended: no history to keep
     ledger.items(kind).append(item)
     _prune(ledger)
     return item
 
 
+def record_replaced(item: Item, old: Item) -> None:
+    """`item` replaces `old` (of the same kind): it keeps old's text, and what old had replaced."""
+    if old.text in item.was:
+        return
+    item.was = [clip_words(old.text, WAS_WORDS), *old.was][:MAX_WAS]
+
+
 def supersede_mentions(ledger: Ledger, term: str, by: str) -> None:
-    """Mark active extracted items mentioning `term` as replaced ("switch from Flask to FastAPI")."""
+    """Mark active extracted items mentioning `term` as replaced ("switch from Flask to FastAPI");
+    the replacing item keeps what it replaced of its own kind."""
     pat = re.compile(rf"(?<!\w){re.escape(term)}(?!\w)", re.IGNORECASE)
-    for _, item in ledger.all_items():
+    new = next(((k, i) for k, i in ledger.all_items() if i.id == by), None)
+    for kind, item in ledger.all_items():
         if item.id != by and item.superseded_by is None and not item.edited and pat.search(item.text):
             item.superseded_by = by
+            if new is not None and new[0] == kind:
+                record_replaced(new[1], item)
 
 
 def _prune(ledger: Ledger) -> None:
@@ -196,14 +241,16 @@ def copy_ledger(ledger: Ledger) -> Ledger:
     An item holds only immutable values, so a shallow copy of each item is a deep copy of the
     ledger, at a third of what pydantic's deepcopy costs (32 vs 94 us for 16 items).
     """
-    return ledger.model_copy(update={kind: [item.model_copy() for item in ledger.items(kind)] for kind in KINDS})
+    return ledger.model_copy(update={**{kind: [item.model_copy() for item in ledger.items(kind)] for kind in KINDS},
+                                     "marks": dict(ledger.marks)})
 
 
 def apply_update(ledger: Ledger, update: StateUpdate, *, time: str | None = None) -> Ledger:
     """Merge an llm-proposed update into a copy of `ledger`."""
     out = copy_ledger(ledger)
     for p in update.items:
-        add_item(out, p.kind, p.text, source=p.source, time=time, replaces=p.replaces)
+        if is_statement(p.text):  # the same rule as extraction: no question or complaint is state
+            add_item(out, p.kind, p.text, source=p.source, time=time, replaces=p.replaces)
     return out
 
 
@@ -308,10 +355,22 @@ _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)
                       r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b", caseless=True,
                       needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
 _SUPERSEDE = re.compile(r"\binstead\s+of\s+([\w.+#-]+)|\bswitch(?:ed|ing)?\s+from\s+([\w.+#-]+)\s+to\b"
+                        r"|\b(?:upgrad|migrat|mov)(?:e|ed|es|ing)\s+(?:[\w ]{1,40}?\s)?from\s+([\w.+#-]+)\s+to\b"
                         r"|\bno\s+longer\s+(?:use|using|need)\s+([\w.+#-]+)|\breplac(?:e|ed|ing)\s+([\w.+#-]+)\s+with\b"
                         r"|\bdrop(?:ped|ping)?\s+([\w.+#-]+)\s+in\s+favou?r\s+of\b", _I)
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[])|\n+")
 _CODE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
+
+
+# What the extractors read of one message and of one sentence: every pattern is linear, and these
+# bound the work a fold does per message (and what a summary line or cache entry can hold),
+# whatever a client sends. Far above real prose (the dev sets' longest sentence is 14 K).
+# A message stating more than MAX_STATEMENTS things floods the ledger anyway (it holds MAX_ITEMS);
+# each costs a comparison with every active item of its kind.
+MAX_MESSAGE_CHARS = 131_072
+MAX_SENTENCE_CHARS = 16_384
+MAX_SENTENCES = 1_024
+MAX_STATEMENTS = 64
 
 
 def sentences(text: str) -> tuple[str, ...]:
@@ -322,29 +381,72 @@ def sentences(text: str) -> tuple[str, ...]:
 
 
 def _split_sentences(text: str) -> tuple[str, ...]:
-    text = _CODE.sub("\n", text)
+    text = _CODE.sub("\n", text[:MAX_MESSAGE_CHARS])
     out = []
     for s in _SENTENCE.split(text):
-        s = s.strip(" \t-*#>")
+        s = s[:MAX_SENTENCE_CHARS].strip(" \t-*#>")
         if len(s) >= 3:
             out.append(s)
+            if len(out) == MAX_SENTENCES:
+                break
     return tuple(out)
 
 
 _remembered_sentences = lru_cache(maxsize=64)(_split_sentences)
 
 
+# Not statements of anything durable, whatever words they hold: a question ("so how do I make it
+# always return a list?"), a greeting, a complaint ("I've been staring at this code for hours").
+_NOT_STATE = Pattern(
+    r"\?[\s\"')\]]*$"
+    r"|^(?:hmm+|um+|uh+|huh|wait|so|ok|okay|well|and|but|oh)?[\s,]*(?:how|what|why|when|where|which|who|whom|whose"
+    r"|can(?!['’]t|not)|could|would|should|shall|is|are|am|was|were|do(?!\s+not\b|n['’]t)|does|did|will"
+    r"|any\s+(?:idea|ideas|tips|thoughts)|is\s+there|are\s+there)\b"
+    r"|^(?:hi|hello|hey|thanks|thank\s+you|good\s+(?:morning|afternoon|evening)|cheers|bye|hmm+|ugh|argh)\b"
+    r"|\b(?:frustrat\w*|annoying|annoyed|staring\s+at|for\s+hours|driving\s+me|i(?:'m|\s+am)\s+(?:stuck|lost"
+    r"|confused|tired|exhausted)|makes\s+no\s+sense|doesn't\s+make\s+sense|sick\s+of|tired\s+of"
+    r"|(?:hate|hated)\s+(?:this|it|that|when)|so\s+(?:confusing|annoying)|no\s+idea\s+why|i\s+give\s+up"
+    r"|pulling\s+my\s+hair|wasted|not\s+sure|i(?:'m|\s+am)\s+(?:getting|having|seeing|running\s+into|worried)"
+    r"|i\s+keep\s+(?:getting|seeing|running))\b",
+    caseless=True)
+# "I've never used X": the user's history (a fact), not a rule they set.
+_NEVER_DONE = Pattern(r"\bi(?:'ve|\s+have)\s+never\b|\bi\s+never\s+(?:used|tried|did|had|worked|set|configured)\b",
+                      caseless=True)
+
+
+# Quoted text (an error message, a name in quotes) states nothing of the speaker's: "Cannot read
+# property 'text' of undefined" is no constraint. Bounded spans: linear.
+_QUOTED = re.compile(r"\"[^\"\n]{0,300}\"|`[^`\n]{0,300}`|“[^”\n]{0,300}”")
+
+
+def _unquoted(sentence: str) -> str:
+    return _QUOTED.sub(" ", sentence) if ('"' in sentence or "`" in sentence or "“" in sentence) else sentence
+
+
+def decision_at(sentence: str) -> int:
+    """Where a decision sentence's deciding words start ("... and I've decided to use X": at "I've")."""
+    m = _DECISION.exact.search(sentence)
+    return m.start() if m is not None else 0
+
+
+def is_statement(sentence: str) -> bool:
+    """Not a question, a greeting or a complaint (which state never holds)."""
+    return not _NOT_STATE.search(sentence, ascii_lower(sentence))
+
+
 def classify(sentence: str, role: str) -> Kind | None:
     """Which ledger kind a sentence states, if any. Users set goals, rules and tastes; both sides decide."""
     user = role == "user"
     low = ascii_lower(sentence)
+    if _NOT_STATE.search(sentence, low):
+        return None
     if user and _GOAL.search(sentence, low):
         return "goal"
     if _DECISION.search(sentence, low) and (user or _SHARED.search(sentence, low)):
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
-    if user and _CONSTRAINT.search(sentence, low):
+    if user and _CONSTRAINT.search(_unquoted(sentence)) and not _NEVER_DONE.search(sentence, low):
         return "constraints"
     if user and _PREFERENCE.search(sentence, low):
         return "preferences"
@@ -360,11 +462,25 @@ def classify(sentence: str, role: str) -> Kind | None:
 
 
 def _clip(text: str, words: int = 60) -> str:
+    return clip_words(text, words)
+
+
+def clip_words(text: str, words: int = 60, chars: int = 2_000) -> str:
+    """`text` cut to its first `words` words, and to `chars` characters (a word can be any length)."""
     parts = text.split()
-    return text if len(parts) <= words else " ".join(parts[:words]) + " …"
+    if len(parts) > words:
+        text = " ".join(parts[:words]) + " …"
+    return text if len(text) <= chars else text[:chars] + " …"
 
 
-def extract(ledger: Ledger, turns: Sequence[Turn], start: int, *, now: str | None = None) -> Ledger:
+def _statements(found: Iterable[str], role: str) -> Iterator[tuple[str, Kind]]:
+    for sentence in found:
+        kind = classify(sentence, role)
+        if kind is not None:
+            yield sentence, kind
+
+
+def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | None = None) -> Ledger:
     """`ledger` updated from messages [start, start+len(turns)) by patterns alone.
 
     A copy when an item was added; `ledger` itself when none was, which is most folds (the aged
@@ -375,8 +491,7 @@ def extract(ledger: Ledger, turns: Sequence[Turn], start: int, *, now: str | Non
     found = [(start + i, turn.time or now, sentence, kind)
              for i, turn in enumerate(turns)
              if turn.role in ("user", "assistant")
-             for sentence in sentences(turn.text)
-             if (kind := classify(sentence, turn.role)) is not None]
+             for sentence, kind in islice(_statements(sentences(turn.text), turn.role), MAX_STATEMENTS)]
     if not found:
         return ledger
     out = copy_ledger(ledger)
@@ -416,7 +531,7 @@ def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> s
         for item in items:
             if budget_tokens - used < 4:
                 break  # nothing more fits: no need to count the rest
-            line = f"- {item.text}"
+            line = f"- {item.text}{history(item)}"
             cost = count(line) + 1
             extra = cost + (0 if section else header_cost)
             if used + extra > budget_tokens:
@@ -427,6 +542,44 @@ def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> s
             used += extra
         lines += section
     return "\n".join(lines)
+
+
+def history(item: Item) -> str:
+    """What a changed item replaced, and since when: " (since 2024-03-02; was: SQLite; before that: …)"."""
+    if not item.was:
+        return ""
+    parts = [f"since {item.time[:10]}"] if item.time else []
+    parts.append(f"was: {item.was[0]}")
+    parts += [f"before that: {w}" for w in item.was[1:]]
+    return " (" + "; ".join(parts) + ")"
+
+
+def mark(ledger: Ledger, conversation: str) -> int:
+    """Messages of `conversation` the ledger has read."""
+    return ledger.marks.get(conversation, 0)
+
+
+def marked(ledger: Ledger, conversation: str, upto: int) -> Ledger:
+    """`ledger` (a copy when it changes) having read `conversation` up to message `upto`."""
+    if ledger.marks.get(conversation, 0) >= upto:
+        return ledger
+    out = copy_ledger(ledger)
+    marks = {k: v for k, v in out.marks.items() if k != conversation}
+    marks[conversation] = upto
+    while len(marks) > MAX_MARKS:
+        marks.pop(next(iter(marks)))
+    out.marks = marks
+    return out
+
+
+def unmarked(ledger: Ledger, conversation: str) -> Ledger:
+    """`ledger` (a copy when it changes) having read nothing of `conversation` (it was deleted: a
+    conversation created again under its id is read from its first message)."""
+    if conversation not in ledger.marks:
+        return ledger
+    out = copy_ledger(ledger)
+    out.marks = {k: v for k, v in out.marks.items() if k != conversation}
+    return out
 
 
 def load(data: dict | None) -> Ledger:

@@ -1,20 +1,21 @@
 """Conversation storage in Redis (or `memory://`: fakeredis running the very same Lua).
 
-Every operation that reads-then-writes is one Lua script over keys that share the conversation's
-hash tag (see keys.py), so it is atomic and runs unchanged on Redis Cluster. The request path costs
-one round trip to load (`load`) and one to record (`append`).
+Every operation that reads-then-writes is one Lua script (lua.py) over keys that share the
+conversation's hash tag (see keys.py), so it is atomic and runs unchanged on Redis Cluster. The
+request path costs one round trip to load (`load`) and one to record (`append`).
 
-Messages: `msgs` is a list of JSON records `{"k": tokens, "h": hash, "o": role, "t": time, "x": text,
-"r": raw, "c": chain}` ("k" first so Lua can read a record's tokens with one anchored match, "c" last
-because the script computes it and splices it in), and `chains` a parallel list of chain hashes so
-that the CAS checks and `chains()` never decode a message. History is never truncated except by an
-explicit `branch`.
+Messages: `msgs` is a list of JSON records (members `RECORD_*` in keys.py: tokens first so Lua can
+read a record's tokens with one anchored match, the chain last because the script computes it and
+splices it in), and `chains` a parallel list of chain hashes so that the CAS checks and `chains()`
+never decode a message. History is never truncated except by an explicit `branch`.
 
 Summary versions only grow. A fold commits by CAS on (version, chain at covers-1); when there is no
 summary (never folded, or dropped by a branch) only the chain is checked, so a worker that passes
 `view.summary.version if view.summary else 0` is never locked out by a dropped summary's version.
 
-Errors: connection-level failures surface as `StoreUnavailable` so the request path can degrade.
+Errors: connection-level failures surface as `StoreUnavailable` so the request path can degrade;
+`StoreBusy`, a kind of it, says the server answers but every connection of this process's pool
+stayed in use for `store.pool_wait_seconds` (back-pressure: the caller may retry later).
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any, Literal, cast
 
+import fakeredis
 import orjson
 import redis.asyncio as aioredis
 import redis.exceptions as rex
@@ -37,16 +41,43 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.connection import HiredisRespSerializer
 
+from gateway import lua
 from gateway.config import StoreSettings
-from gateway.keys import ConvRef, Keys
-from gateway.model import ConversationView, Summary, Turn
+from gateway.keys import (
+    META_FOLD_QUEUED,
+    RECORD_CHAIN,
+    RECORD_HASH,
+    RECORD_RAW,
+    RECORD_ROLE,
+    RECORD_TEXT,
+    RECORD_TIME,
+    RECORD_TOKENS,
+    STATE_LEDGER,
+    STATE_VERSION,
+    SUMMARY_CHAIN,
+    SUMMARY_COVERS,
+    SUMMARY_EDITED,
+    SUMMARY_FOLDED_AT,
+    SUMMARY_TEXT,
+    SUMMARY_TOKENS,
+    SUMMARY_VERSION,
+    ConvRef,
+    Keys,
+)
+from gateway.model import ConversationView, Message, Summary
+from gateway.queue import FoldQueue, job_fields
 
 
 class StoreUnavailable(Exception):
     """The store cannot be reached (connection refused, timeout, cluster down)."""
 
 
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
+class StoreBusy(StoreUnavailable):
+    """No connection of the pool came free within `store.pool_wait_seconds`: the store is there, this
+    process asks more of it at once than its pool allows."""
+
+
+UNAVAILABLE: tuple[type[BaseException], ...] = (
     rex.ConnectionError,
     rex.TimeoutError,
     rex.ClusterDownError,
@@ -66,7 +97,9 @@ class _Guard:
 
     def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
-        if exc is not None and isinstance(exc, _UNAVAILABLE):
+        if isinstance(exc, rex.MaxConnectionsError):  # a cluster node's pool (see _GatedCluster)
+            raise StoreBusy(str(exc) or type(exc).__name__) from exc
+        if exc is not None and isinstance(exc, UNAVAILABLE):
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         return False
 
@@ -74,6 +107,18 @@ class _Guard:
 _guard = _Guard()
 
 Committed = Callable[[ConvRef, Summary | None, tuple[dict[str, Any], int] | None], None]
+
+
+@dataclass(slots=True)
+class Overview:
+    """One conversation at a glance, for the conversation list: no message is read."""
+
+    length: int
+    covers: int  # messages the summary stands for (0: none)
+    version: int  # the summary's version
+    edited: bool  # the summary was written by hand
+    folded_at: float | None  # unix time of the last fold commit
+    stats: dict[str, int]
 
 
 @dataclass(slots=True)
@@ -90,253 +135,23 @@ class AppendResult:
     summarizer: dict[str, int] = field(default_factory=dict)  # summarizer_tokens_in/out/charged stats
 
 
-# Every conversation script gets the conversation's keys in this order (keys.conversation_keys),
-# so it can refresh the TTL of all of them: 1 meta, 2 msgs, 3 chains, 4 summary, 5 stats, 6 state.
-_TOUCH = """
-local function touch(ttl)
-  if ttl > 0 then for i = 1, 6 do redis.call('EXPIRE', KEYS[i], ttl) end end
-end
-"""
-
-# The optimistic check of append and branch: the history still has `chain` at position pos-1.
-# Both answer {ok, length, appended, reason, last chain, start, summary version, state version,
-# fold-queued flag, summarizer stats}: the last four tell the caller whether what it knows of the
-# conversation is current (KEYS[sk] is the state hash when it lives in this slot, sk 0 when not).
-_BASE = """
-local function on_base(len, pos, chain)
-  return pos <= len and (pos == 0 or redis.call('LINDEX', KEYS[3], pos - 1) == chain)
-end
-local function answer(ok, len, appended, reason, last, start, sk)
-  local state = -1
-  if sk > 0 then state = tonumber(redis.call('HGET', KEYS[sk], 'v')) or 0 end
-  return {ok, len, appended, reason, last, start, tonumber(redis.call('HGET', KEYS[4], 'v')) or 0, state,
-          redis.call('HGET', KEYS[1], 'q') or '',
-          redis.call('HMGET', KEYS[5], 'summarizer_tokens_in', 'summarizer_tokens_out', 'summarizer_tokens_charged')}
-end
-local function refused(len, sk)
-  return answer(0, len, 0, 'branched', redis.call('HGET', KEYS[1], 'l') or '', -1, sk)
-end
-"""
-
-# Stats ride along with the append or branch that records a turn (one round trip, not two): ARGV[6]
-# is the number k of (name, increment) pairs that follow; the turns' pairs start at ARGV[7 + 2k].
-# Added whatever the outcome of the base check, as a separate add_stats would be.
-_STATS = """
-local function add_stats(ttl)
-  local k = tonumber(ARGV[6])
-  for i = 1, k do redis.call('HINCRBY', KEYS[5], ARGV[5 + 2 * i], ARGV[6 + 2 * i]) end
-  if k > 0 and ttl > 0 then redis.call('EXPIRE', KEYS[5], ttl) end
-  return 7 + 2 * k
-end
-"""
-
-# Appends the n (hash, record) pairs from ARGV[off] after chain `prev`; returns the new last chain
-# and the pushed messages' tokens (each record starts with {"k":tokens). RPUSH in batches: Lua
-# 5.1's unpack() is bounded by the C stack (~8000 values).
-_PUSH = """
-local function push(prev, off, n)
-  local recs, chs, tokens = {}, {}, 0
-  for i = 1, n do
-    local rec = ARGV[off + 2 * i - 1]
-    prev = redis.sha1hex(prev .. ARGV[off + 2 * i - 2])
-    chs[#chs + 1] = prev
-    recs[#recs + 1] = string.sub(rec, 1, -2) .. ',"c":"' .. prev .. '"}'
-    tokens = tokens + (tonumber(string.match(rec, '^{"k":(%d+)')) or 0)
-    if #chs == 1000 or i == n then
-      redis.call('RPUSH', KEYS[2], unpack(recs))
-      redis.call('RPUSH', KEYS[3], unpack(chs))
-      recs, chs = {}, {}
-    end
-  end
-  return prev, tokens
-end
-"""
-
-# KEYS: the six conversation keys (+ 7: project state when it may be read here).
-# ARGV: head, ttl, index of the state key in KEYS (0: do not read state).
-_LOAD = _TOUCH + """
-local head, ttl, sk = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local len = redis.call('LLEN', KEYS[3])
-local meta = redis.call('HMGET', KEYS[1], 'd', 'f', 'l', 'k', 'q')
-local summ = redis.call('HMGET', KEYS[4], 'v', 'x', 'n', 'k', 'c')
-local covers = 0
-if summ[2] then covers = math.min(tonumber(summ[3]) or 0, len) end
-local h = math.min(head, covers)
-local first = {}
-if h > 0 then first = redis.call('LRANGE', KEYS[2], 0, h - 1) end
-local tail = {}
-if len > covers then tail = redis.call('LRANGE', KEYS[2], covers, -1) end
-local state = {}
-if sk > 0 then
-  state = redis.call('HMGET', KEYS[sk], 'j', 'v')
-  if ttl > 0 and sk > 6 then redis.call('EXPIRE', KEYS[sk], ttl) end
-end
-if len > 0 then touch(ttl) end
-return {len, meta, summ, state, first, tail, redis.call('HGETALL', KEYS[5]), covers}
-"""
-
-# KEYS: the conversation keys (+ 7: project state, as for _LOAD).
-# ARGV: ttl, base_length, base_chain, dialect, state index (see _BASE), stats (see _STATS), then
-# (hash, record) pairs: the run of turns to store after message base_length-1.
-_APPEND = _TOUCH + _STATS + _PUSH + _BASE + """
-local ttl, base, bchain, sk = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
-local off = add_stats(ttl)
-local n = (#ARGV - off + 1) / 2
-local len = redis.call('LLEN', KEYS[3])
-if not on_base(len, base, bchain) then return refused(len, sk) end
-local seg = {}
-if n > 0 and len > base then seg = redis.call('LRANGE', KEYS[3], base, -1) end
--- A base behind the store: the caller planned from what it knew before an append of this same
--- history landed (its own previous request, recorded meanwhile). What is already stored right
--- after the base is not stored again; the rest of the run goes on from there.
-local skip, prev = 0, bchain
-while skip < n and skip < #seg do
-  local c = redis.sha1hex(prev .. ARGV[off + 2 * skip])
-  if c ~= seg[skip + 1] then break end
-  prev, skip = c, skip + 1
-end
-local m, first, at = n - skip, off + 2 * skip, base + skip
-if m == 0 then
-  touch(ttl)
-  return answer(1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', base, sk)
-end
--- Idempotent retry: the rest of the run already stored anywhere after `at` (a retried request
--- whose first attempt was recorded, possibly after concurrent requests' turns).
-if len - at >= m then
-  for s = 0, len - at - m do
-    local p = prev
-    if s > 0 then p = seg[skip + s] end
-    local i = 1
-    while i <= m and redis.sha1hex(p .. ARGV[first + 2 * i - 2]) == seg[skip + s + i] do
-      p = seg[skip + s + i]
-      i = i + 1
-    end
-    if i > m then
-      touch(ttl)
-      return answer(1, len, 0, '', redis.call('HGET', KEYS[1], 'l') or '', at + s, sk)
-    end
-  end
-end
--- Concurrent requests built on the same base land after whatever is stored now.
-if len > at then prev = seg[#seg] end
-local last, tokens = push(prev, first, m)
-if len == 0 then redis.call('HSET', KEYS[1], 'f', ARGV[off]) end
-redis.call('HSET', KEYS[1], 'd', ARGV[4], 'l', last)
-redis.call('HINCRBY', KEYS[1], 'k', tokens)
-touch(ttl)
-return answer(1, len + m, m, '', last, len, sk)
-"""
-
-# ARGV: ttl, at, base_chain, dialect, state index, stats (see _STATS), then (hash, record) pairs.
-_BRANCH = _TOUCH + _STATS + _PUSH + _BASE + """
-local ttl, at, bchain, sk = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5])
-local off = add_stats(ttl)
-local n = (#ARGV - off + 1) / 2
-local len = redis.call('LLEN', KEYS[3])
-if not on_base(len, at, bchain) then return refused(len, sk) end
-local dropped = 0
-if at < len then
-  for _, rec in ipairs(redis.call('LRANGE', KEYS[2], at, -1)) do
-    dropped = dropped + (tonumber(string.match(rec, '^{"k":(%d+)')) or 0)
-  end
-  if at == 0 then
-    redis.call('DEL', KEYS[2], KEYS[3])
-  else
-    redis.call('LTRIM', KEYS[2], 0, at - 1)
-    redis.call('LTRIM', KEYS[3], 0, at - 1)
-  end
-end
-local covers = tonumber(redis.call('HGET', KEYS[4], 'n'))
-if covers and covers > at then
-  -- The summary stands for messages of the abandoned branch: drop it, keep the version growing.
-  redis.call('HDEL', KEYS[4], 'x', 'n', 'k', 'c', 'e')
-  redis.call('HINCRBY', KEYS[4], 'v', 1)
-end
-local last, tokens = bchain, 0
-if at == 0 then last = '' end
-if n > 0 then last, tokens = push(last, off, n) end
-if at == 0 and n > 0 then redis.call('HSET', KEYS[1], 'f', ARGV[off]) end
-if at + n == 0 then
-  redis.call('HDEL', KEYS[1], 'f', 'l')
-else
-  redis.call('HSET', KEYS[1], 'l', last)
-end
-redis.call('HSET', KEYS[1], 'd', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'k', tokens - dropped)
-touch(ttl)
-return answer(1, at + n, n, '', last, at, sk)
-"""
-
-# ARGV: ttl, expect_version, covers, chain, text, tokens.
-_COMMIT_FOLD = _TOUCH + """
-local ttl, covers = tonumber(ARGV[1]), tonumber(ARGV[3])
-local cur = redis.call('HMGET', KEYS[4], 'v', 'x')
-local v = tonumber(cur[1]) or 0
-if cur[2] and v ~= tonumber(ARGV[2]) then return 0 end
-if covers > 0 then
-  if redis.call('LINDEX', KEYS[3], covers - 1) ~= ARGV[4] then return 0 end
-elseif ARGV[4] ~= '' then
-  return 0
-end
-redis.call('HSET', KEYS[4], 'v', v + 1, 'x', ARGV[5], 'n', covers, 'k', ARGV[6], 'c', ARGV[4], 'e', 0)
-touch(ttl)
-return v + 1
-"""
-
-# ARGV: ttl, text, tokens. Returns {version, covers, chain}.
-_PUT_SUMMARY = _TOUCH + """
-local cur = redis.call('HMGET', KEYS[4], 'v', 'x', 'n', 'c')
-local v = (tonumber(cur[1]) or 0) + 1
-local covers, chain = 0, ''
-if cur[2] then covers, chain = tonumber(cur[3]) or 0, cur[4] or '' end
-redis.call('HSET', KEYS[4], 'v', v, 'x', ARGV[2], 'n', covers, 'k', ARGV[3], 'c', chain, 'e', 1)
-touch(tonumber(ARGV[1]))
-return {v, covers, chain}
-"""
-
-# KEYS: the state key. ARGV: ttl, expected version ('' = unconditional), ledger JSON.
-_PUT_STATE = """
-local v = tonumber(redis.call('HGET', KEYS[1], 'v')) or 0
-if ARGV[2] ~= '' and tonumber(ARGV[2]) ~= v then return 0 end
-redis.call('HSET', KEYS[1], 'j', ARGV[3], 'v', v + 1)
-if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
-return v + 1
-"""
-
-# KEYS: stats. ARGV: ttl, then the pairs as in _STATS (counted from ARGV[2]).
-_ADD_STATS = """
-local k = tonumber(ARGV[2])
-for i = 1, k do redis.call('HINCRBY', KEYS[1], ARGV[1 + 2 * i], ARGV[2 + 2 * i]) end
-if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
-return k
-"""
-
-# KEYS: meta. ARGV: now (ms), stale after (ms), ttl. A flag older than `stale` is a lost job.
-_ENQUEUE = """
-local q = tonumber(redis.call('HGET', KEYS[1], 'q'))
-if q and tonumber(ARGV[1]) - q < tonumber(ARGV[2]) then return 0 end
-redis.call('HSET', KEYS[1], 'q', ARGV[1])
-if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
-return 1
-"""
-
-
 def _s(value: bytes | None) -> str | None:
     return None if value is None else value.decode()
 
 
-def _turn(record: bytes) -> Turn:
+def _turn(record: bytes) -> Message:
     d = orjson.loads(record)
-    return Turn(raw=d["r"], role=d["o"], text=d["x"], tokens=d["k"], hash=d["h"], chain=d["c"], time=d.get("t"))
+    return Message(raw=d[RECORD_RAW], role=d[RECORD_ROLE], text=d[RECORD_TEXT], tokens=d[RECORD_TOKENS],
+                hash=d[RECORD_HASH], chain=d[RECORD_CHAIN], time=d.get(RECORD_TIME))
 
 
-def _record(turn: Turn) -> bytes:
+def _record(turn: Message) -> bytes:
     # Key order matters: "k" first for the branch script's token match; "c" is added by Lua.
-    d: dict[str, Any] = {"k": int(turn.tokens), "h": turn.hash, "o": turn.role}
+    d: dict[str, Any] = {RECORD_TOKENS: int(turn.tokens), RECORD_HASH: turn.hash, RECORD_ROLE: turn.role}
     if turn.time is not None:
-        d["t"] = turn.time
-    d["x"] = turn.text
-    d["r"] = turn.raw
+        d[RECORD_TIME] = turn.time
+    d[RECORD_TEXT] = turn.text
+    d[RECORD_RAW] = turn.raw
     return orjson.dumps(d)
 
 
@@ -349,7 +164,7 @@ def _stat_args(stats: Mapping[str, int] | None) -> list[str | int]:
     return args
 
 
-def _turn_args(turns: Sequence[Turn]) -> list[bytes | str | int]:
+def _turn_args(turns: Sequence[Message]) -> list[bytes | str | int]:
     args: list[bytes | str | int] = []
     for t in turns:
         args.append(t.hash)
@@ -365,8 +180,8 @@ class _Script:
     __slots__ = ("client", "sha", "text")
 
     def __init__(self, client: aioredis.Redis | RedisCluster, text: str) -> None:
-        self.client, self.text = client, text
-        self.sha = hashlib.sha1(text.encode()).hexdigest()
+        self.client, self.text = client, lua.filled(text)
+        self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
     async def __call__(self, *, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
@@ -393,14 +208,15 @@ class Store:
         self.origin = os.urandom(6).hex()  # this process, in its announcements (see watch)
         self._on_commit: list[Committed] = []
         # EVALSHA by precomputed sha; the text is sent once per server (NOSCRIPT).
-        self._load = _Script(client, _LOAD)
-        self._append = _Script(client, _APPEND)
-        self._branch = _Script(client, _BRANCH)
-        self._commit_fold = _Script(client, _COMMIT_FOLD)
-        self._put_summary = _Script(client, _PUT_SUMMARY)
-        self._put_state = _Script(client, _PUT_STATE)
-        self._enqueue = _Script(client, _ENQUEUE)
-        self._add_stats = _Script(client, _ADD_STATS)
+        self._load = _Script(client, lua.LOAD)
+        self._append = _Script(client, lua.APPEND)
+        self._branch = _Script(client, lua.BRANCH)
+        self._commit_fold = _Script(client, lua.COMMIT_FOLD)
+        self._put_summary = _Script(client, lua.PUT_SUMMARY)
+        self._put_state = _Script(client, lua.PUT_STATE)
+        self._enqueue = _Script(client, lua.ENQUEUE)
+        self._add_stats = _Script(client, lua.ADD_STATS)
+        self.folds = FoldQueue(client, keys)  # the consumer side, for the fold workers
         # Set whenever this process queues a fold: in-process workers wake at once instead of at
         # their next poll (on memory:// a blocking XREADGROUP returns immediately, so they poll).
         self.fold_queued = asyncio.Event()
@@ -431,7 +247,7 @@ class Store:
             sk = 0
         elif self.keys.state_is_shared(ref):
             keys.append(state_key)
-            sk = 7
+            sk = 9
         else:
             sk = 6
         args = (head, self.ttl, sk)
@@ -440,7 +256,7 @@ class Store:
         with _guard:
             if separate_state:
                 calls: list[Awaitable[Any]] = [self._load(keys=keys, args=args),
-                                               self.redis.hmget(state_key, ["j", "v"])]
+                                               self.redis.hmget(state_key, [STATE_LEDGER, STATE_VERSION])]
                 if self.ttl:
                     calls.append(self.redis.expire(state_key, self.ttl))
                 res, state, *_ = await asyncio.gather(*calls)
@@ -481,27 +297,31 @@ class Store:
         if self.cluster:
             return keys, 0  # the project's state lives in another slot
         keys.append(self.keys.project_state(ref))
-        return keys, 7
+        return keys, 9
 
-    async def append(self, ref: ConvRef, turns: list[Turn], *, base_length: int, base_chain: str,
-                     dialect: str, stats: Mapping[str, int] | None = None) -> AppendResult:
+    async def append(self, ref: ConvRef, turns: list[Message], *, base_length: int, base_chain: str,
+                     dialect: str, stats: Mapping[str, int] | None = None, own: int | None = None) -> AppendResult:
         """Store `turns` after message base_length-1, if it has chain base_chain.
 
         Turns of the run already stored right after the base are skipped (the caller's base was
         behind the store); the rest go after whatever is stored now (concurrent requests on one
-        base). A run already stored anywhere after the base stores nothing (a retry).
+        base), but only the last `own` of them (the request's new turn and reply; None: all): a run
+        with more is refused (reason "branched"), its resent history not being what is stored. A run
+        already stored anywhere after the base stores nothing (a retry).
         `stats`: increments added to the conversation's stats in the same call, stored or not."""
         if base_length < 0:
             raise ValueError("base_length must be >= 0")
         keys, sk = self._write_keys(ref)
-        args = [self.ttl, base_length, base_chain, dialect, sk, *_stat_args(stats), *_turn_args(turns)]
+        args = [self.ttl, base_length, base_chain, dialect, sk, len(turns) if own is None else own,
+                *_stat_args(stats), *_turn_args(turns)]
         with _guard:
             res = await self._append(keys=keys, args=args)
         return _result(res)
 
-    async def branch(self, ref: ConvRef, *, at: int, base_chain: str, turns: list[Turn],
+    async def branch(self, ref: ConvRef, *, at: int, base_chain: str, turns: list[Message],
                      dialect: str, stats: Mapping[str, int] | None = None) -> AppendResult:
-        """Keep messages [0, at) (CAS on the chain at at-1), drop the rest, append `turns` (+ `stats`)."""
+        """Keep messages [0, at) (CAS on the chain at at-1), move the rest to a new abandoned branch
+        (`branches`), append `turns` (+ `stats`)."""
         if at < 0:
             raise ValueError("at must be >= 0")
         keys, sk = self._write_keys(ref)
@@ -517,7 +337,7 @@ class Store:
             raw: Any = await self.redis.lrange(self.keys.chains(ref), 0, -1)
         return [c.decode() for c in raw]
 
-    async def messages(self, ref: ConvRef, start: int = 0, stop: int | None = None) -> list[Turn]:
+    async def messages(self, ref: ConvRef, start: int = 0, stop: int | None = None) -> list[Message]:
         """Messages [start, stop) (stop None: to the end)."""
         if stop is not None and stop <= start:
             return []
@@ -526,11 +346,30 @@ class Store:
                 self.keys.msgs(ref), start, -1 if stop is None else stop - 1)
         return [_turn(r) for r in raw]
 
+    async def branches(self, ref: ConvRef) -> list[dict[str, Any]]:
+        """The abandoned branches, oldest first: {id, at, chain, start, count, time, tokens} (lua.BRANCH)."""
+        with _guard:
+            raw: Any = await self.redis.lrange(self.keys.branches(ref), 0, -1)
+        return [orjson.loads(b) for b in raw]
+
+    async def branch_messages(self, branch: Mapping[str, Any], ref: ConvRef, start: int = 0,
+                              stop: int | None = None) -> list[Message]:
+        """Messages [start, stop) of an abandoned branch (its own, from its `at` on)."""
+        count = int(branch["count"])
+        stop = count if stop is None else min(stop, count)
+        if stop <= start:
+            return []
+        first = int(branch["start"])
+        with _guard:
+            raw: Any = await self.redis.lrange(self.keys.abandoned(ref), first + start, first + stop - 1)
+        return [_turn(r) for r in raw]
+
     # ---- summary ---------------------------------------------------------------------------
 
     async def commit_fold(self, ref: ConvRef, *, expect_version: int, summary: Summary) -> bool:
         """CAS on (summary version, chain at summary.covers-1); stores the summary, version + 1."""
-        args: list[Any] = [self.ttl, expect_version, summary.covers, summary.chain, summary.text, int(summary.tokens)]
+        args: list[Any] = [self.ttl, expect_version, summary.covers, summary.chain, summary.text, int(summary.tokens),
+                           round(time.time(), 3)]
         with _guard:
             res = await self._commit_fold(keys=self.keys.conversation_keys(ref), args=args)
         if res:
@@ -547,7 +386,8 @@ class Store:
     async def get_summary(self, ref: ConvRef) -> tuple[Summary | None, int, bool]:
         """(summary or None, current version, edited by hand)."""
         with _guard:
-            got: Any = await self.redis.hmget(self.keys.summary(ref), ["v", "x", "n", "k", "c", "e"])
+            got: Any = await self.redis.hmget(self.keys.summary(ref), [
+                SUMMARY_VERSION, SUMMARY_TEXT, SUMMARY_COVERS, SUMMARY_TOKENS, SUMMARY_CHAIN, SUMMARY_EDITED])
         v, x, n, k, c, e = got
         version = int(v or 0)
         if x is None:
@@ -556,11 +396,21 @@ class Store:
                           chain=(c or b"").decode())
         return summary, version, e == b"1"
 
+    async def overview(self, ref: ConvRef) -> Overview:
+        with _guard:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.llen(self.keys.chains(ref))
+                pipe.hmget(self.keys.summary(ref), [SUMMARY_COVERS, SUMMARY_VERSION, SUMMARY_EDITED, SUMMARY_FOLDED_AT])
+                pipe.hgetall(self.keys.stats(ref))
+                length, (covers, version, edited, folded), stats = await pipe.execute()
+        return Overview(int(length), int(covers or 0), int(version or 0), edited == b"1",
+                        float(folded) if folded else None, {k.decode(): int(v) for k, v in stats.items()})
+
     # ---- project state ---------------------------------------------------------------------
 
     async def get_state(self, ref: ConvRef) -> tuple[dict[str, Any] | None, int]:
         with _guard:
-            got: Any = await self.redis.hmget(self.keys.project_state(ref), ["j", "v"])
+            got: Any = await self.redis.hmget(self.keys.project_state(ref), [STATE_LEDGER, STATE_VERSION])
         j, v = got
         return (orjson.loads(j) if j is not None else None), int(v or 0)
 
@@ -666,7 +516,7 @@ class Store:
             if not await self._enqueue(keys=[self.keys.meta(ref)],
                                        args=[now_ms, self.FOLD_FLAG_STALE_MS, self.ttl]):
                 return False
-            fields = {"t": ref.tenant, "c": ref.conversation, "p": ref.project or "", "u": "1" if urgent else "0"}
+            fields = job_fields(ref, urgent=urgent)
             try:
                 stream = self.keys.fold_stream()
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -680,14 +530,14 @@ class Store:
                     raise added
             except BaseException:
                 # The job was not queued: do not leave a flag that would block the next attempt.
-                await asyncio.shield(self.redis.hdel(self.keys.meta(ref), "q"))
+                await asyncio.shield(self.redis.hdel(self.keys.meta(ref), META_FOLD_QUEUED))
                 raise
         self.fold_queued.set()
         return True
 
     async def fold_done(self, ref: ConvRef) -> None:
         with _guard:
-            await self.redis.hdel(self.keys.meta(ref), "q")
+            await self.redis.hdel(self.keys.meta(ref), META_FOLD_QUEUED)
 
 
 def _result(res: list[Any]) -> AppendResult:
@@ -737,10 +587,93 @@ def _cluster_nodes(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
 
 _BACKOFF = ExponentialWithJitterBackoff(base=0.01, cap=0.2)
 
+# How long the store calls of this task wait for a free connection (None: the pool's own wait).
+_WAIT: ContextVar[float | None] = ContextVar("store_wait", default=None)
+
+
+@contextmanager
+def patient(seconds: float) -> Iterator[None]:
+    """Store calls in this block (and in tasks started from it) wait up to `seconds` for a free
+    connection: recording an answered turn has no client waiting on it, and giving up sooner only
+    moves it to the retry queue, which needs the same connections."""
+    token = _WAIT.set(seconds)
+    try:
+        yield
+    finally:
+        _WAIT.reset(token)
+
+
+class _BlockingPool(aioredis.ConnectionPool):
+    """A pool whose callers wait for a free connection, up to `timeout` seconds, then get StoreBusy.
+
+    Not redis-py's BlockingConnectionPool: its waiters and its releases queue on one asyncio.Condition,
+    so with a thousand waiters each release waits its turn behind them all and throughput collapses
+    (1,000 parallel conversations: waits past 5 s). A FIFO semaphore of `max_connections` slots in
+    front of redis-py's plain pool costs nothing uncontended; the plain pool then never runs out."""
+
+    def __init__(self, *, timeout: float | None = 5.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.timeout = timeout
+        self._slots = asyncio.Semaphore(self.max_connections)
+        # Connections handed out, each holding a slot. redis-py releases a connection that failed to
+        # connect itself, inside get_connection: only a connection in this set gives its slot back.
+        self._slotted: set[Any] = set()
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        wait = _WAIT.get() or self.timeout
+        try:
+            async with asyncio.timeout(wait):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise StoreBusy(f"all {self.max_connections} store connections busy for {wait} s") from None
+        try:
+            connection = await super().get_connection()
+        except BaseException:
+            self._slots.release()
+            raise
+        self._slotted.add(connection)
+        return connection
+
+    async def release(self, connection: Any) -> None:
+        try:
+            await super().release(connection)
+        finally:
+            if connection in self._slotted:  # a connection released twice frees one slot
+                self._slotted.discard(connection)
+                self._slots.release()
+
+
+class _GatedCluster(RedisCluster):
+    """A cluster client whose commands wait for one of `max_connections` slots, up to `wait` seconds,
+    then raise StoreBusy. redis-py 8's cluster nodes have no blocking pool (a full node raises
+    MaxConnectionsError at once); commands in flight never exceed the slots, so no node's pool fills
+    through them (pipelines are not gated: their MaxConnectionsError maps to StoreBusy too)."""
+
+    def __init__(self, *args: Any, wait: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = asyncio.Semaphore(int(kwargs.get("max_connections", 100)))
+        self._wait = wait
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        wait = _WAIT.get() or self._wait
+        try:
+            async with asyncio.timeout(wait):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise StoreBusy(f"all store connection slots busy for {wait} s") from None
+        try:
+            return await super().execute_command(*args, **kwargs)
+        finally:
+            self._slots.release()
+
 
 class _HiredisPacking:
     """Commands packed by hiredis: redis-py's asyncio connections pack them in Python (its
-    synchronous ones use hiredis), ~24 us against ~9 us for a turn's append here. Same bytes."""
+    synchronous ones use hiredis), ~24 us against ~9 us for a turn's append here. Same bytes.
+
+    Leans on redis-py internals (`redis.connection.HiredisRespSerializer`, `pack_command`, the
+    pool's `connection_class`): pyproject pins the redis-py minor version, and
+    tests/test_store.py checks the bytes against redis-py's own packer."""
 
     _packer = HiredisRespSerializer()
 
@@ -759,9 +692,11 @@ def _sha1hex(data: bytes) -> bytes:
 
 
 async def _memory_client() -> aioredis.Redis:
-    """A fakeredis client on its own FakeServer, with `redis.sha1hex` (which fakeredis's Lua lacks)."""
-    import fakeredis
+    """A fakeredis client on its own FakeServer, with `redis.sha1hex` (which fakeredis's Lua lacks).
 
+    fakeredis has no public way to add a Lua function: this reaches its server's private
+    `_lua_runtime`. pyproject pins the fakeredis minor version; tests/test_store.py checks the
+    function against a real Redis's."""
     server = fakeredis.FakeServer()
     client = fakeredis.FakeAsyncRedis(server=server)
     await client.eval("return 0", 0)  # creates the server's Lua runtime
@@ -784,11 +719,15 @@ async def open_store(settings: StoreSettings) -> Store:
     elif url.startswith("redis+cluster://"):
         nodes, creds = _cluster_nodes(url)
         # A few more retries than a single server: MOVED/ASK redirections and failovers retry through these.
-        client = RedisCluster(startup_nodes=nodes, retry=Retry(_BACKOFF, 3), **creds, **options)
+        client = _GatedCluster(startup_nodes=nodes, retry=Retry(_BACKOFF, 3), max_connections=settings.pool_size,
+                               wait=settings.pool_wait_seconds, **creds, **options)
     else:
-        client = aioredis.Redis.from_url(url, retry=Retry(_BACKOFF, 1), **options)
-        pool = client.connection_pool
+        # The pool's size and wait come from the config, not redis-py's defaults (its async pool went
+        # from unbounded in 5.x to 100 that fail at once in 8.x); the URL's query may still set them.
+        pool = _BlockingPool.from_url(url, retry=Retry(_BACKOFF, 1), max_connections=settings.pool_size,
+                                      timeout=settings.pool_wait_seconds, **options)
         pool.connection_class = _PACKED.get(pool.connection_class, pool.connection_class)
+        client = aioredis.Redis.from_pool(pool)
     store = Store(client, Keys(settings.key_prefix), ttl=settings.ttl_seconds)
     store.embedded = url.startswith("memory://")
     return store

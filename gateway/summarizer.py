@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
-from functools import lru_cache
+from collections.abc import Awaitable, Callable, Sequence
+from functools import lru_cache, partial
 from typing import Any
 
-import aiohttp
 import orjson
 from pydantic import ValidationError
 
 from gateway import state
-from gateway.config import Settings, UpstreamSettings
-from gateway.fold import Count, SummaryResult, clip, remembering
+from gateway.config import Settings
+from gateway.dialects import dialect_for_upstream
+from gateway.fold import Count, SummaryResult, clip, remembering, slim
 from gateway.logs import get_logger
-from gateway.model import Turn
+from gateway.model import Message
+from gateway.transport import HTTPClient, UpstreamError
+from gateway.upstream import Upstream, make_upstream
 
 log = get_logger("gateway.summarizer")
 
@@ -63,8 +65,10 @@ _SIGNALS: tuple[tuple[state.Pattern, float], ...] = (
              caseless=True), 1.5),
     (Pattern(r"\bv?\d+\.\d+(?:\.\d+)+\b|\bversion\s+\d+"), 1.5),  # versions
     # Paths and file names: every path holds a "/", every file name a known extension after a dot.
-    (Pattern(r"(?:^|[\s(\"'`])(?:~|\.{0,2})/[\w.-]+(?:/[\w.-]+)*|\b[\w-]+/[\w.-]+\.\w{1,5}\b"
-             rf"|\b[\w-]+\.(?:{_EXTENSIONS})\b",
+    # A name starts where its [\w-] run starts, at its first word character: from every word
+    # boundary of "a-a-a-..." the run was rescanned (quadratic). Same answers (test_patterns.py).
+    (Pattern(r"(?:^|[\s(\"'`])(?:~|\.{0,2})/[\w.-]+(?:/[\w.-]+)*|(?<![\w-])-*\w[\w-]*/[\w.-]+\.\w{1,5}\b"
+             rf"|(?<![\w-])-*\w[\w-]*\.(?:{_EXTENSIONS})\b",
              needs=lambda text: "/" in text or _EXTENSION.search(text) is not None), 1.5),
     (Pattern(r"\bhttps?://\S+", needs=lambda text: "://" in text), 1.5),
     (Pattern(r"\b[A-Z][A-Z0-9]+-\d+\b", needs=lambda text: "-" in text), 1.5),  # ticket / issue ids
@@ -76,7 +80,8 @@ _SIGNALS: tuple[tuple[state.Pattern, float], ...] = (
 )
 _WORD = re.compile(r"[a-z0-9]+")
 _SPEAKER = re.compile(r"^(user|assistant|tool|system|developer):\s*")
-_VALUES = re.compile(r"\d[\w.:/-]*|[\w.-]*/[\w./-]+|[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b")
+# Run-scanning alternatives start where their run starts (linear; see state._VALUE).
+_VALUES = re.compile(r"\d[\w.:/-]*|(?<![\w.-])[\w.-]*/[\w./-]+|(?<![A-Z])[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b")
 
 
 @lru_cache(maxsize=8192)
@@ -128,7 +133,7 @@ def near_duplicate(new: str, old: str, threshold: float = 0.7) -> bool:
     return va <= vb
 
 
-def extract_lines(turns: Sequence[Turn], *, per_turn: int = 4, max_words: int = 60) -> list[tuple[float, str]]:
+def extract_lines(turns: Sequence[Message], *, per_turn: int = 4, max_words: int = 60) -> list[tuple[float, str]]:
     """(score, "speaker: sentence") of the sentences worth keeping, in conversation order."""
     out: list[tuple[float, str]] = []
     for turn in turns:
@@ -138,10 +143,7 @@ def extract_lines(turns: Sequence[Turn], *, per_turn: int = 4, max_words: int = 
             sc = score(sentence, role)
             if sc < 1.0:
                 continue
-            words = sentence.split()
-            if len(words) > max_words:
-                sentence = " ".join(words[:max_words]) + " …"
-            candidates.append((sc, i, sentence))
+            candidates.append((sc, i, state.clip_words(sentence, max_words)))
         # A long message must not flood the summary: its best few sentences, in their order.
         best = sorted(sorted(candidates, key=lambda c: -c[0])[:per_turn], key=lambda c: c[1])
         out += [(sc, f"{role}: {sentence}") for sc, _, sentence in best]
@@ -214,7 +216,7 @@ def dedupe(lines: Sequence[str], threshold: float = 0.7, *, kept_first: Sequence
 
 def extractive_summary(messages: Sequence[tuple[str, str]], max_tokens: int, count: Count) -> str:
     """One-shot extractive summary of (role, text) messages within max_tokens (eval baselines)."""
-    turns = [Turn(raw={}, role=role, text=text, tokens=0, hash="") for role, text in messages]
+    turns = [Message(raw={}, role=role, text=text, tokens=0, hash="") for role, text in messages]
     lines = dedupe([line for _, line in extract_lines(turns)])
     return "\n".join(select_lines(lines, max_tokens, count))
 
@@ -235,7 +237,7 @@ class ExtractiveSummarizer:
         self.count = remembering(count)
         self.budget_tokens = budget_tokens  # no model context to respect: one chunk
 
-    async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
+    async def summarize(self, previous: str, turns: Sequence[Message], start: int, *,
                         max_tokens: int) -> SummaryResult:
         old = [ln for ln in previous.splitlines() if ln.strip()]
         new = [line for _, line in extract_lines(turns)]
@@ -246,7 +248,7 @@ class ExtractiveSummarizer:
         lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
         return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
 
-    async def update_state(self, ledger: state.Ledger, turns: Sequence[Turn], start: int, *,
+    async def update_state(self, ledger: state.Ledger, turns: Sequence[Message], start: int, *,
                            now: str | None = None) -> tuple[state.Ledger, int, int]:
         return state.extract(ledger, turns, start, now=now), 0, 0
 
@@ -277,10 +279,13 @@ decisions, constraints, preferences, open_tasks, facts. Given the current items 
 (each prefixed by its index), answer with JSON only:
 {"items": [{"kind": "<kind>", "text": "<one durable statement, verbatim values>", "source": <message index>,
             "replaces": "<id of the current item this one makes obsolete, or null>"}]}
-List only NEW or CHANGED items; an empty list when nothing durable was said."""
+List only NEW or CHANGED items; an empty list when nothing durable was said. An item is a statement of the
+kind it claims: never a question, a greeting, a complaint or a problem being reported. Keep standing
+instructions and preferences in the user's words. A decision that changes an earlier one names it in
+"replaces" (the gateway keeps what it replaced and since when)."""
 
 
-def transcript(turns: Sequence[Turn], start: int, count: Count, *, per_message_tokens: int = 2000,
+def transcript(turns: Sequence[Message], start: int, count: Count, *, per_message_tokens: int = 2000,
                tool_tokens: int = 300) -> str:
     """The messages as `[index] role: text` lines; tool output is clipped harder (verbose, rarely durable)."""
     lines = []
@@ -294,77 +299,61 @@ def transcript(turns: Sequence[Turn], start: int, count: Count, *, per_message_t
 class LlmSummarizer:
     """Summaries through the configured upstream with the gateway's own key.
 
-    OpenAI: `POST {base_url}/chat/completions` with `Authorization: Bearer`; Anthropic:
-    `POST {base_url}/v1/messages` with `x-api-key` and `anthropic-version: 2023-06-01`.
+    The request and the reading of its answer are the upstream dialect's (`summary_request`,
+    `summary_answer`: Chat Completions for an OpenAI upstream, Messages for Anthropic); the call
+    goes through the gateway's HTTP client (transport.py), with the upstream's timeouts.
     """
 
     name = "llm"
     local = False  # waits on HTTP: the worker awaits it on the event loop
 
-    def __init__(self, upstream_name: str, upstream: UpstreamSettings, *, model: str, max_tokens: int,
-                 count: Count, budget_tokens: int, session: aiohttp.ClientSession | None = None) -> None:
+    def __init__(self, upstream: Upstream, *, model: str, max_tokens: int, count: Count, budget_tokens: int,
+                 http: HTTPClient | None = None) -> None:
         if not upstream.api_key:
-            raise ValueError(f"the llm summarizer needs upstreams.{upstream_name}.api_key (the gateway's own key)")
-        self.upstream_name = upstream_name
+            raise ValueError(f"the llm summarizer needs upstreams.{upstream.name}.api_key (the gateway's own key)")
         self.upstream = upstream
+        self.dialect = dialect_for_upstream(upstream.name)
         self.model = model
         self.max_tokens = max_tokens
         self.count = remembering(count)
         self.budget_tokens = budget_tokens
-        self._session = session
-        self._own_session = session is None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            u = self.upstream
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-                total=u.total_timeout, sock_connect=u.connect_timeout, sock_read=u.read_timeout))
-            self._own_session = True
-        return self._session
+        self._http = http
+        self._own_http = http is None
+        # Runs CPU work (the fallback extraction) off the event loop: a thread, or what the worker
+        # pool sets (its fold processes: the arguments must pickle).
+        self.offload: Callable[..., Awaitable[Any]] = asyncio.to_thread
 
     async def close(self) -> None:
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._own_http and self._http is not None:
+            await self._http.close()
+            self._http = None
 
     async def complete(self, system: str, user: str, *, max_tokens: int, json_mode: bool = False) -> SummaryResult:
         """One completion: (text, input tokens, output tokens) from the provider's usage."""
-        u = self.upstream
-        assert u.api_key
-        if self.upstream_name == "anthropic":
-            url = f"{u.base_url}/v1/messages"
-            headers = {"x-api-key": u.api_key, "anthropic-version": "2023-06-01", "content-type": "application/json"}
-            body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "system": system,
-                                    "messages": [{"role": "user", "content": user}]}
-        else:
-            url = f"{u.base_url}/chat/completions"
-            headers = {"Authorization": f"Bearer {u.api_key}", "content-type": "application/json"}
-            body = {"model": self.model, "max_tokens": max_tokens,
-                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-            if json_mode:
-                body["response_format"] = {"type": "json_object"}
+        path, body, extra = self.dialect.summary_request(self.model, system, user, max_tokens=max_tokens,
+                                                         json_mode=json_mode)
+        headers = [("Content-Type", "application/json"), *self.upstream.auth.items(), *extra.items()]
+        if self._http is None:
+            self._http = HTTPClient()
         try:
-            async with self._client().post(url, data=orjson.dumps(body), headers=headers) as resp:
+            resp = await self._http.request(self.upstream.endpoint, "POST", self.upstream.target(path), headers,
+                                            orjson.dumps(body))
+            try:
                 raw = await resp.read()
-                if resp.status >= 400:
-                    raise SummarizerError(f"summarizer upstream answered {resp.status}")
+            finally:
+                resp.release()
+            if resp.status >= 400:
+                raise SummarizerError(f"summarizer upstream answered {resp.status}")
             data = orjson.loads(raw)
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+        except (UpstreamError, orjson.JSONDecodeError) as exc:
             raise SummarizerError(f"summarizer upstream failed: {type(exc).__name__}") from exc
         try:
-            if self.upstream_name == "anthropic":
-                text = "".join(b.get("text", "") for b in data["content"] if b.get("type") == "text")
-                usage = data.get("usage") or {}
-                tin, tout = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
-            else:
-                text = data["choices"][0]["message"]["content"] or ""
-                usage = data.get("usage") or {}
-                tin, tout = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+            text, tin, tout = self.dialect.summary_answer(data)
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise SummarizerError("summarizer upstream answered an unexpected shape") from exc
         return SummaryResult(text.strip(), tin, tout)
 
-    async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
+    async def summarize(self, previous: str, turns: Sequence[Message], start: int, *,
                         max_tokens: int) -> SummaryResult:
         budget = min(self.max_tokens, max_tokens)
         user = (f"Previous summary:\n{previous or '(none yet)'}\n\n"
@@ -378,7 +367,7 @@ class LlmSummarizer:
         budget = max(16, min(self.max_tokens, max_tokens))
         return await self.complete(COMPRESS_PROMPT.format(max_tokens=budget), text, max_tokens=budget)
 
-    async def update_state(self, ledger: state.Ledger, turns: Sequence[Turn], start: int, *,
+    async def update_state(self, ledger: state.Ledger, turns: Sequence[Message], start: int, *,
                            now: str | None = None) -> tuple[state.Ledger, int, int]:
         """Ledger updates in JSON mode, validated; an invalid answer falls back to pattern extraction."""
         current = "\n".join(f"{item.id} [{kind}] {item.text}" for kind, item in ledger.all_items()
@@ -389,7 +378,8 @@ class LlmSummarizer:
             update = state.StateUpdate.model_validate(orjson.loads(_json_body(result.text)))
         except (orjson.JSONDecodeError, ValidationError):
             log.info("summarizer.state_fallback", reason="invalid JSON from the summarizer")
-            fallback = await asyncio.to_thread(state.extract, ledger, turns, start, now=now)  # CPU: off the loop
+            # CPU: off the event loop, in the fold processes when `gateway serve` has them.
+            fallback = await self.offload(partial(state.extract, now=now), ledger, slim(turns), start)
             return fallback, result.tokens_in, result.tokens_out
         return state.apply_update(ledger, update, time=now), result.tokens_in, result.tokens_out
 
@@ -400,11 +390,8 @@ def _json_body(text: str) -> str:
     return text[start:end + 1] if 0 <= start < end else text
 
 
-Summarizer = ExtractiveSummarizer | LlmSummarizer
-
-
-def build_summarizer(settings: Settings, count: Count, *, session: aiohttp.ClientSession | None = None,
-                     mode: str | None = None) -> Summarizer:
+def build_summarizer(settings: Settings, count: Count, *, http: HTTPClient | None = None,
+                     mode: str | None = None) -> ExtractiveSummarizer | LlmSummarizer:
     """The summarizer the settings ask for (`mode` overrides, e.g. `gateway eval --summarizer`)."""
     chosen = mode or settings.summarizer_mode()
     if chosen == "extractive":
@@ -413,5 +400,5 @@ def build_summarizer(settings: Settings, count: Count, *, session: aiohttp.Clien
     # Leave room for the prompt, the previous summary and the answer within the model's window.
     window = settings.model(cfg.model).context_window
     budget = max(1024, min(32_000, window // 2))
-    return LlmSummarizer(cfg.upstream, settings.upstreams[cfg.upstream], model=cfg.model,
-                         max_tokens=cfg.max_tokens, count=count, budget_tokens=budget, session=session)
+    return LlmSummarizer(make_upstream(cfg.upstream, settings.upstreams[cfg.upstream]), model=cfg.model,
+                         max_tokens=cfg.max_tokens, count=count, budget_tokens=budget, http=http)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import inspect
 import itertools
 import random
@@ -92,16 +93,21 @@ class FakeUpstream:
     port: int = 0
     requests: list[Received] = field(default_factory=list)
     disconnects: int = 0  # streams whose reader went away before the end
+    # Report prompt-cache reads as a provider would: the longest prefix (system, then items) of this
+    # request some earlier one had, when it is 1,024 tokens or more (never expires).
+    prompt_cache: bool = False
+    _prefixes: set[bytes] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.disconnected = asyncio.Event()
-        self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        self.app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[_rejects_unreadable])
         r = self.app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/responses", self._responses)
         r.add_post("/v1/messages", self._messages)
         r.add_post("/v1/messages/count_tokens", self._count_tokens)
         r.add_get("/v1/models", self._models)
+        r.add_route("*", "/v1/conversations/{id}", self._conversation)
         r.add_route("*", "/{tail:.*}", self._unknown)
         self._runner: web.AppRunner | None = None
 
@@ -194,6 +200,27 @@ class FakeUpstream:
         out = self.responder(body)
         return await out if inspect.isawaitable(out) else out
 
+    def _cached(self, body: dict[str, Any], n_in: int) -> int:
+        """Tokens of `body`'s prompt an earlier request already had (0 unless `prompt_cache`)."""
+        if not self.prompt_cache:
+            return 0
+        seen = self._prefixes
+        given = body.get("input")
+        items = [body.get("system"), body.get("instructions"), *(body.get("messages") or []),
+                 *(given if isinstance(given, list) else [])]
+        digest = hashlib.blake2b(digest_size=16)
+        size = hit = 0
+        for item in items:
+            part = orjson.dumps(item)
+            digest.update(part)
+            size += len(part)
+            key = digest.copy().digest()
+            if key in seen:
+                hit = size
+            seen.add(key)
+        cached = min(_tokens(hit), _tokens(n_in))
+        return cached if cached >= 1024 else 0
+
     def _calls(self) -> list[ToolCall]:
         return [ToolCall(c.name, c.arguments, c.id or f"call_fake{next(_ids)}") for c in self.tool_calls]
 
@@ -228,7 +255,8 @@ class FakeUpstream:
         model = body.get("model") or self.model_openai
         usage = {"prompt_tokens": _tokens(n_in), "completion_tokens": _tokens(len(text)),
                  "total_tokens": _tokens(n_in) + _tokens(len(text)),
-                 "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
+                 "prompt_tokens_details": {"cached_tokens": self._cached(body, n_in)},
+                 "completion_tokens_details": {"reasoning_tokens": 0}}
         tool_calls: list[dict[str, Any]] = [{"id": c.id, "type": "function",
                        "function": {"name": c.name, "arguments": orjson.dumps(c.arguments).decode()}} for c in calls]
         finish = "tool_calls" if calls else "stop"
@@ -283,7 +311,7 @@ class FakeUpstream:
         for c in calls:
             output.append({"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
                            "arguments": orjson.dumps(c.arguments).decode(), "status": "completed"})
-        usage = {"input_tokens": _tokens(n_in), "input_tokens_details": {"cached_tokens": 0},
+        usage = {"input_tokens": _tokens(n_in), "input_tokens_details": {"cached_tokens": self._cached(body, n_in)},
                  "output_tokens": _tokens(len(text)), "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": _tokens(n_in) + _tokens(len(text))}
 
@@ -343,8 +371,9 @@ class FakeUpstream:
             content.append({"type": "text", "text": text})
         content += [{"type": "tool_use", "id": c.id.replace("call_", "toolu_"), "name": c.name,
                      "input": c.arguments} for c in calls]
-        usage = {"input_tokens": _tokens(n_in), "output_tokens": _tokens(len(text)),
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        read = self._cached(body, n_in)
+        usage = {"input_tokens": _tokens(n_in) - read, "output_tokens": _tokens(len(text)),
+                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": read}
         message = {"id": f"msg_fake{next(_ids)}", "type": "message", "role": "assistant",
                    "model": body.get("model") or self.model_anthropic, "content": content,
                    "stop_reason": "tool_use" if calls else "end_turn", "stop_sequence": None, "usage": usage}
@@ -397,6 +426,15 @@ class FakeUpstream:
             {"id": self.model_openai, "object": "model", "created": 1700000000, "owned_by": "fake"}]},
             headers=self._ids_header(False))
 
+    async def _conversation(self, request: web.Request) -> web.Response:
+        """OpenAI's own Conversations API (a gateway must pass it through, not answer it)."""
+        await self._receive(request)
+        conv = request.match_info["id"]
+        if request.method == "DELETE":
+            return web.json_response({"id": conv, "object": "conversation.deleted", "deleted": True})
+        return web.json_response({"id": conv, "object": "conversation", "created_at": 1700000000,
+                                  "metadata": {"from": "fake upstream"}})
+
     async def _unknown(self, request: web.Request) -> web.Response:
         await self._receive(request)
         message = f"fake upstream has no route {request.method} {request.path}"
@@ -405,6 +443,22 @@ class FakeUpstream:
                                      status=404)
         return web.json_response({"error": {"message": message, "type": "invalid_request_error",
                                             "param": None, "code": "unknown_url"}}, status=404)
+
+
+@web.middleware
+async def _rejects_unreadable(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A body the fake cannot read is the caller's 400, in the provider's shape, as a real provider answers."""
+    try:
+        return await handler(request)  # type: ignore[no-any-return]
+    except web.HTTPException:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        message = f"the fake provider cannot read this body: {type(exc).__name__}"
+        if request.path.startswith("/v1/messages"):
+            return web.json_response({"type": "error", "error": {"type": "invalid_request_error",
+                                                                  "message": message}}, status=400)
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error",
+                                            "param": None, "code": None}}, status=400)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ tokenizer; cl100k plus calibration from the usage the upstream reports is the es
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import hashlib
@@ -198,7 +199,10 @@ class TokenCounter:
             n = self._fresh(enc, text)
             counts = self._counts
             if len(counts) >= _COUNT_CACHE_SIZE:
-                counts.pop(next(iter(counts)))  # oldest first (insertion order)
+                # Oldest first (insertion order). Folds count in a worker thread while requests
+                # count on the loop: the other thread may have evicted that key (or emptied the dict).
+                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                    counts.pop(next(iter(counts)))
             counts[key] = n
         return n
 

@@ -1,12 +1,19 @@
 """The HTTP/1.1 client the gateway forwards with: pooled, streaming, and lean, because every request uses it.
 
-aiohttp's client spent about 165 µs of CPU per call on the 2-core machine this was built on; this
-one, an asyncio protocol over llhttp (httptools), about 40 µs. It does what a reverse proxy needs
-and no more: keep-alive pools per endpoint with a size limit, TCP or TLS, bodies framed by
-Content-Length, chunked or connection close, read as they arrive with backpressure, gzip/deflate
-decoded (the gateway asks for identity, but a server may not listen), and three timeouts. No
-redirects, cookies or proxies; a call that failed is never sent again here (the caller's SDK
-retries on the gateway's 502/504).
+An asyncio protocol over llhttp (httptools): a fraction of a general-purpose client's CPU per call
+(measured in docs/architecture.md). It does what a reverse proxy needs and no more: keep-alive
+pools per endpoint with a size limit, TCP or TLS, bodies framed by Content-Length, chunked or
+connection close, read as they arrive with backpressure, gzip/deflate decoded (the gateway asks
+for identity, but a server may not listen), and three timeouts. No redirects or cookies; a call
+that failed is never sent again here (the caller's SDK retries on the gateway's 502/504).
+
+Egress proxies are honoured as the SDKs and HTTP tools do: `HTTPS_PROXY` for https upstreams (a
+CONNECT tunnel through the proxy, TLS to the upstream inside it), `HTTP_PROXY` for http ones
+(requests in absolute form), `ALL_PROXY` for either when that one is unset, and `NO_PROXY` for
+the hosts that bypass them (upper or lower case, read by the standard library; entries are
+hosts, domain suffixes, `*`, IP addresses or CIDR networks, each with an optional port). An
+`http://user:password@` proxy gets Basic credentials. The environment is read once per upstream
+endpoint, when its pool is created.
 
     client = HTTPClient()
     endpoint = Endpoint.of("https://api.openai.com/v1", Timeouts(10, 600, 900))
@@ -25,12 +32,17 @@ Errors (the proxy answers 502 for the first, 504 for the second):
 from __future__ import annotations
 
 import asyncio
+import base64
+import ipaddress
+import socket
 import ssl
 import zlib
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
+from urllib.parse import unquote
+from urllib.request import getproxies
 
 import httptools
 from multidict import CIMultiDict
@@ -86,6 +98,65 @@ class Endpoint:
             authority += f":{u.port}"
         return cls(host, u.port or (443 if u.scheme == "https" else 80), u.scheme == "https", authority,
                    timeouts, pool_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Proxy:
+    """An HTTP proxy the calls to one endpoint go through."""
+
+    host: str
+    port: int
+    authorization: str | None = None  # Proxy-Authorization value
+
+    @classmethod
+    def of(cls, url: str) -> Proxy:
+        u = URL(url if "://" in url else "http://" + url)
+        if u.scheme != "http" or not u.raw_host:
+            raise ValueError(f"unsupported proxy URL {url!r}: an http:// proxy is needed")
+        auth = None
+        if u.raw_user is not None:
+            pair = f"{unquote(u.raw_user)}:{unquote(u.raw_password or '')}"
+            auth = "Basic " + base64.b64encode(pair.encode()).decode()
+        return cls(u.raw_host, u.port or 80, auth)
+
+
+def bypassed(host: str, port: int, no_proxy: str) -> bool:
+    """Whether NO_PROXY (`no_proxy`: comma-separated entries) exempts `host`:`port` from the proxy."""
+    host = host.strip("[]").lower().rstrip(".")
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        if entry == "*":
+            return True
+        if not entry:
+            continue
+        name, _, entry_port = entry.rpartition(":") if entry.count(":") == 1 or "]:" in entry else ("", "", "")
+        if name and entry_port.isdigit():
+            if int(entry_port) != port:
+                continue
+            entry = name
+        entry = entry.strip("[]").lstrip("*").lstrip(".")
+        if address is not None:
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:
+                pass
+            continue
+        if host == entry or host.endswith("." + entry):
+            return True
+    return False
+
+
+def proxy_for(endpoint: Endpoint) -> Proxy | None:
+    """The proxy the environment names for `endpoint` (HTTPS_PROXY / HTTP_PROXY, minus NO_PROXY)."""
+    proxies = getproxies()
+    url = proxies.get("https" if endpoint.tls else "http") or proxies.get("all")
+    if not url or bypassed(endpoint.host, endpoint.port, proxies.get("no", "")):
+        return None
+    return Proxy.of(url)
 
 
 class Response:
@@ -392,9 +463,15 @@ class _Connection(asyncio.Protocol):
 class _Pool:
     """Connections to one endpoint: idle ones to reuse (newest first), at most `pool_size` open."""
 
-    def __init__(self, endpoint: Endpoint, ssl_context: ssl.SSLContext | None) -> None:
+    def __init__(self, endpoint: Endpoint, ssl_context: ssl.SSLContext | None, proxy: Proxy | None = None) -> None:
         self.endpoint = endpoint
         self.ssl = ssl_context
+        self.proxy = proxy
+        # Through an HTTP proxy, a plain-HTTP call names its whole URL and carries the proxy's credentials.
+        plain = proxy is not None and not endpoint.tls
+        self.target_prefix = f"http://{endpoint.host_header}" if plain else ""
+        self.proxy_headers: tuple[tuple[str, str], ...] = (
+            (("Proxy-Authorization", proxy.authorization),) if plain and proxy and proxy.authorization else ())
         self.loop = asyncio.get_running_loop()
         self.idle: deque[_Connection] = deque()
         self.open: set[_Connection] = set()
@@ -440,11 +517,7 @@ class _Pool:
         ep = self.endpoint
         self.connecting += 1
         try:
-            _, conn = await asyncio.wait_for(
-                self.loop.create_connection(lambda: _Connection(self), ep.host, ep.port,
-                                            ssl=self.ssl if ep.tls else None,
-                                            server_hostname=ep.host if ep.tls else None),
-                within)
+            _, conn = await asyncio.wait_for(self._open(), within)
         except TimeoutError:
             raise UpstreamTimeout(f"could not connect to {ep.host_header} within {within:g} s") from None
         except OSError as exc:  # refused, unreachable, DNS, TLS (ssl.SSLError is an OSError)
@@ -454,6 +527,60 @@ class _Pool:
             self._wake_one()
         self.open.add(conn)
         return conn
+
+    async def _open(self) -> tuple[asyncio.BaseTransport, _Connection]:
+        ep, proxy = self.endpoint, self.proxy
+        tls = self.ssl if ep.tls else None
+        server_hostname = ep.host if ep.tls else None
+        if proxy is None:
+            return await self.loop.create_connection(lambda: _Connection(self), ep.host, ep.port, ssl=tls,
+                                                     server_hostname=server_hostname)
+        if not ep.tls:  # requests in absolute form to the proxy itself
+            return await self.loop.create_connection(lambda: _Connection(self), proxy.host, proxy.port)
+        sock = await self._tunnel(proxy)
+        try:
+            return await self.loop.create_connection(lambda: _Connection(self), sock=sock, ssl=tls,
+                                                     server_hostname=server_hostname)
+        except BaseException:
+            sock.close()
+            raise
+
+    async def _tunnel(self, proxy: Proxy) -> socket.socket:
+        """A socket to the proxy, through which the proxy relays bytes to the endpoint (CONNECT)."""
+        ep, loop = self.endpoint, self.loop
+        error: OSError = OSError(f"no address for proxy {proxy.host}")
+        for family, kind, proto, _, address in await loop.getaddrinfo(proxy.host, proxy.port, type=socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, address)
+                break
+            except OSError as exc:
+                sock.close()
+                error = exc
+        else:
+            raise error
+        try:
+            authority = f"[{ep.host}]:{ep.port}" if ":" in ep.host else f"{ep.host}:{ep.port}"
+            head = f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n"
+            if proxy.authorization:
+                head += f"Proxy-Authorization: {proxy.authorization}\r\n"
+            await loop.sock_sendall(sock, (head + "\r\n").encode())
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = await loop.sock_recv(sock, 4096)
+                if not chunk or len(answer) > 65536:
+                    raise OSError(f"proxy {proxy.host}:{proxy.port} did not answer CONNECT")
+                answer += chunk
+            status = answer.split(b"\r\n", 1)[0].split(b" ", 2)
+            if len(status) < 2 or status[1] != b"200" or not answer.endswith(b"\r\n\r\n"):
+                # (Bytes after the answer would be the upstream speaking before TLS began: not HTTPS.)
+                line = answer.split(b"\r\n", 1)[0].decode("latin-1")
+                raise OSError(f"proxy {proxy.host}:{proxy.port} refused the tunnel to {authority}: {line}")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def put(self, conn: _Connection) -> None:
         conn.expires = self.loop.time() + KEEPALIVE_SECONDS
@@ -490,7 +617,7 @@ class HTTPClient:
             if endpoint.tls and self._ssl is None:
                 # The system's CA store (SSL_CERT_FILE / SSL_CERT_DIR are honoured), as aiohttp did.
                 self._ssl = ssl.create_default_context()
-            pool = self._pools[endpoint] = _Pool(endpoint, self._ssl)
+            pool = self._pools[endpoint] = _Pool(endpoint, self._ssl, proxy_for(endpoint))
         return pool
 
     async def request(self, endpoint: Endpoint, method: str, target: str,
@@ -501,9 +628,11 @@ class HTTPClient:
         Host or Content-Length (both are set here).
         """
         pool = self._pool(endpoint)
+        if pool.proxy_headers:
+            headers = [*headers, *pool.proxy_headers]
         conn = await pool.acquire()
         try:
-            conn.send(method, target, endpoint.host_header, headers, body, endpoint.timeouts)
+            conn.send(method, pool.target_prefix + target, endpoint.host_header, headers, body, endpoint.timeouts)
             status, response_headers = await conn.head()
         except BaseException:
             conn.finish(reuse=False)

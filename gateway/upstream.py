@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.config import Settings, UpstreamSettings
+from gateway.dialects import dialect_for_upstream
 from gateway.transport import Endpoint, Timeouts
 
 HOP_BY_HOP = frozenset({
@@ -22,7 +23,8 @@ HOP_BY_HOP = frozenset({
 })
 # Request headers the gateway sets itself or must not pass on. Accept-Encoding: the gateway reads
 # the stream it relays, so it asks upstream for identity. Credentials are set per mode by `auth`.
-_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-gateway-key", "cookie"}
+# X-Gateway-Hop: the proxy sets it anew, with its own id appended (loop detection).
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-gateway-key", "cookie", "x-gateway-hop"}
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 # Response headers aiohttp recomputes for the body it sends. Content-Encoding stays: the transport
 # removes it when it decoded the body, and a body it could not decode goes out with its encoding.
@@ -36,30 +38,25 @@ class Upstream:
     prefix: str  # the base URL's path, to which the incoming path is appended (OpenAI form: its /v1 removed)
     api_key: str | None
     strip_v1: bool
+    auth: Mapping[str, str]  # the configured key in this provider's header form (empty: forward the client's)
 
     def target(self, path_qs: str) -> str:
         """The request target upstream for the client's raw (already encoded) path and query."""
         tail = path_qs[3:] if self.strip_v1 and path_qs.startswith("/v1") else path_qs
         return self.prefix + tail
 
-    def auth_headers(self) -> dict[str, str]:
-        """The configured key in this provider's header form (empty: forward the client's)."""
-        if not self.api_key:
-            return {}
-        if self.name == "anthropic":
-            return {"x-api-key": self.api_key}
-        return {"Authorization": f"Bearer {self.api_key}"}
 
 
 def make_upstream(name: str, cfg: UpstreamSettings) -> Upstream:
     timeouts = Timeouts(connect=cfg.connect_timeout, read=cfg.read_timeout, total=cfg.total_timeout)
+    dialect = dialect_for_upstream(name)
     return Upstream(
         name=name,
         endpoint=Endpoint.of(cfg.base_url, timeouts, cfg.pool_size),
         prefix=URL(cfg.base_url).raw_path.rstrip("/"),
         api_key=cfg.api_key,
-        # Anthropic-style bases stop before /v1; every other upstream is OpenAI-compatible.
-        strip_v1=name != "anthropic",
+        strip_v1=dialect.base_has_v1,
+        auth=dialect.auth_headers(cfg.api_key) if cfg.api_key else {},
     )
 
 

@@ -3,11 +3,11 @@ without a store round trip.
 
 Planning needs the stored conversation (length, last chain, summary, state, the tail after the
 summary). Loading it is one round trip, and on a busy host the wait for it was most of the
-gateway's own time per request (1.1-2.4 ms p50 of 1.4-5 ms at 10 concurrent requests on the
-2-core machine this was built on). But this process records every turn it forwards, and the
-store's answer to that record says whether what it stored is exactly what this process expected:
-its last chain is the chain computed here from the same base and turns. Then the view after the
-record is known without reading it back, and the conversation's next request is planned from it.
+gateway's own time per request (docs/architecture.md, "Known views"). But this process records
+every turn it forwards, and the store's answer to that record says whether what it stored is
+exactly what this process expected: its last chain is the chain computed here from the same base
+and turns. Then the view after the record is known without reading it back, and the
+conversation's next request is planned from it.
 
 What can make a known view stale, and what happens then (the store is never written from a stale
 view without a check):
@@ -32,15 +32,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 from gateway.keys import ConvRef
-from gateway.model import ConversationView, Summary, Turn
+from gateway.model import ConversationView, Message, Summary
 
 
 class KnownViews:
     """Conversation views as stored after this process's last load or record of them (LRU)."""
 
-    # A view holds the messages after its summary: normally a window and a fold batch. One whose
-    # folds fall far behind (a summarizer failing) is not kept: its requests load, as without views.
-    MAX_TAIL = 512
+    # A view holds the messages after its summary: normally a window and a fold batch, more while
+    # folds fall behind (no worker running, a summarizer failing). It is kept then too: a request
+    # that loads instead reads and parses that whole backlog, the cost growing with it. The
+    # messages share their `raw` with the resend cache (caches.hashes), so a view costs ~100 bytes
+    # a message; past this many it is dropped and its requests load.
+    MAX_TAIL = 4096
 
     def __init__(self, limit: int = 256, *, live: bool = False) -> None:
         self._views: OrderedDict[tuple[str, str], tuple[ConversationView, str | None]] = OrderedDict()
@@ -112,7 +115,7 @@ class KnownViews:
         self._views.clear()
 
 
-def advance(view: ConversationView, turns: Sequence[Turn], *, dialect: str, last_chain: str,
+def advance(view: ConversationView, turns: Sequence[Message], *, dialect: str, last_chain: str,
             keep_initial: int, stats: Mapping[str, int], fold_pending: bool) -> ConversationView:
     """The view once `turns` (their chains set) are stored right after `view`'s last message, with
     `stats` added. Pure. `view.head` holds messages [0, min(keep_initial, view.length)), as loaded."""

@@ -24,33 +24,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, Protocol
 
-from redis.exceptions import ResponseError
-
-from gateway import fold, state
-from gateway.config import Settings
-from gateway.keys import ConvRef, Keys
-from gateway.logs import get_logger
+from gateway import fold
+from gateway.config import ConfigError, Settings, load_settings
+from gateway.dialects import dialect_named
+from gateway.foldcpu import FoldCPU, LedgerCache, ProcessCPU, StateChange, ThreadCPU, fold_cpu, read_turns
+from gateway.keys import ConvRef
+from gateway.logs import configure, get_logger
 from gateway.model import Summary
-from gateway.store import StoreUnavailable
+from gateway.queue import Delivery, Job
+from gateway.store import Store, StoreUnavailable, open_store
+from gateway.summarizer import build_summarizer
+from gateway.tokens import TokenCounter
 
 log = get_logger("gateway.worker")
 
-# Atomic "delete if still mine": a lock that expired and was taken by another worker is not freed.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 _POLL_SECONDS = 0.5
 _BLOCK_MS = 1000
+# Consumers of the group idle this long with nothing pending are workers that died: removed (at a
+# worker's start, then every _PRUNE_SECONDS). A live worker reads the stream every second or so, at
+# worst after a breaker pause; one removed anyway comes back with its next read.
+_DEAD_IDLE_MS = 600_000
+_PRUNE_SECONDS = 300.0
 
 
 @dataclass(slots=True)
@@ -81,90 +84,46 @@ class Breaker:
         return False
 
 
-@dataclass(slots=True)
-class Job:
-    id: str
-    ref: ConvRef
-    urgent: bool
-    attempts: int = field(default=0)
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def parse_job(job_id: Any, fields: dict[Any, Any] | None) -> Job | None:
-    if not fields:
-        return None  # the entry was deleted from the stream: only its pending record is left
-    f = {_s(k): _s(v) for k, v in fields.items()}
-    if "t" not in f or "c" not in f:
-        return None
-    return Job(id=_s(job_id), ref=ConvRef(f["t"], f["c"], f.get("p") or None), urgent=f.get("u") == "1")
-
-
-class LedgerCache:
-    """Validated ledgers by state key, each with the JSON it was read or written as (LRU).
-
-    Most folds leave the ledger as it was, so the next fold reads the same JSON back: comparing
-    it with the JSON last seen (one C-level dict comparison) replaces validating it again
-    (pydantic, ~1.5 us an item, up to state.MAX_ITEMS). A ledger is never changed in place
-    (extract and apply_update work on copies), so the same object can be handed out again.
-    """
-
-    def __init__(self, size: int = 256) -> None:
-        self.size = size
-        self._by_key: OrderedDict[str, tuple[dict[str, Any], state.Ledger]] = OrderedDict()
-
-    def load(self, key: str, data: dict[str, Any] | None) -> state.Ledger:
-        """`state.load(data)`, without validating `data` again when it is the JSON last seen for `key`."""
-        if not data:
-            return state.load(data)
-        known = self._by_key.get(key)
-        if known is not None and known[0] == data:
-            self._by_key.move_to_end(key)
-            return known[1]
-        ledger = state.load(data)
-        self.remember(key, data, ledger)
-        return ledger
-
-    def remember(self, key: str, data: dict[str, Any], ledger: state.Ledger) -> None:
-        self._by_key[key] = (data, ledger)
-        self._by_key.move_to_end(key)
-        if len(self._by_key) > self.size:
-            self._by_key.popitem(last=False)
-
-
-class _Proposal(NamedTuple):
-    """A ledger update computed ahead of its CAS write: from `ledger` at `version`, `updated`."""
-
-    ledger: state.Ledger
-    updated: state.Ledger
-    version: int
-    tokens_in: int
-    tokens_out: int
-
-
 def _now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+class Jobs(Protocol):
+    """The fold queue as a worker uses it (queue.FoldQueue over Redis)."""
+
+    async def ensure_group(self) -> None: ...
+    async def own_pending(self, consumer: str) -> Delivery: ...
+    async def reclaim(self, consumer: str, min_idle_ms: int) -> Delivery: ...
+    async def next(self, consumer: str, block_ms: int | None) -> Delivery: ...
+    async def ack(self, job_id: str) -> int: ...
+    async def lock(self, ref: ConvRef, token: str, ttl_ms: int) -> bool: ...
+    async def unlock(self, ref: ConvRef, token: str) -> None: ...
+    async def keep(self, ref: ConvRef, job_id: str | None, consumer: str, ttl_ms: int) -> None: ...
+    async def unfinished(self) -> int: ...
+    async def hand_back(self, consumer: str, idle_ms: int) -> int: ...
+    async def retire(self, consumer: str) -> bool: ...
+    async def prune(self, idle_ms: int) -> int: ...
+
+
 class FoldWorker:
-    def __init__(self, store: Any, settings: Settings, summarizer: Any, *, metrics: Any = None,
-                 name: str | None = None, breaker: Breaker | None = None) -> None:
+    """One consumer of the fold queue: takes jobs one at a time and folds their conversation."""
+
+    def __init__(self, store: Store, settings: Settings, summarizer: fold.Summarizer, *, metrics: Any = None,
+                 name: str | None = None, breaker: Breaker | None = None, cpu: FoldCPU | None = None) -> None:
         self.store = store
         self.settings = settings
         self.summarizer = summarizer
-        self.local = bool(getattr(summarizer, "local", False))  # see fold.run_local
-        self._ledgers = LedgerCache()
+        self.local = summarizer.local  # see fold.run_local
+        # Where a local fold's CPU runs (foldcpu.py): a thread unless the pool gives processes.
+        self.cpu: FoldCPU = cpu or ThreadCPU(summarizer, settings.memory.max_summary_tokens,
+                                             settings.memory.timeline_tokens)
+        self._ledgers = LedgerCache()  # for a summarizer that is not local (its update runs here)
         self.metrics = metrics
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         w = settings.memory.worker
         self.breaker = breaker or Breaker(w.max_failures, w.breaker_seconds)
-        self.redis: Any = store.redis  # redis.asyncio.Redis or RedisCluster
-        self.keys: Keys = store.keys
-        self.stream = self.keys.fold_stream()
+        self.jobs: Jobs = store.folds
         self._stopping = asyncio.Event()
-        self._release = self.redis.register_script(_RELEASE)
         # A job that keeps failing (poison) must not hold the queue forever: dropped after this
         # many attempts; the conversation enqueues itself again on its next turn.
         self.max_attempts = w.max_failures * 3
@@ -179,8 +138,12 @@ class FoldWorker:
 
     async def run(self, *, burst: bool = False) -> None:
         """Process jobs until `stop()`; with `burst`, until nothing is pending or new (tests)."""
-        await ensure_group(self.redis, self.stream)
+        await self.jobs.ensure_group()
+        prune_at = 0.0
         while not self._stopping.is_set():
+            if time.monotonic() >= prune_at and not burst:
+                prune_at = time.monotonic() + _PRUNE_SECONDS
+                await self._prune()
             if self.breaker.is_open():
                 if burst:
                     return
@@ -209,54 +172,67 @@ class FoldWorker:
     async def stop(self) -> None:
         self._stopping.set()
 
+    async def hand_back(self) -> None:
+        """Jobs still pending on this stopped worker go back to the others at once (`Jobs.hand_back`);
+        a store that is down by now only delays their reclaim until claim_idle_ms. With nothing
+        pending, the consumer leaves the group (else `prune` removes it once they are reclaimed)."""
+        with contextlib.suppress(Exception):
+            n = await self.jobs.hand_back(self.name, self.settings.memory.worker.claim_idle_ms)
+            if n:
+                log.info("fold.handed_back", jobs=n, worker=self.name)
+            else:
+                await self.jobs.retire(self.name)
+
+    async def _prune(self) -> None:
+        """Remove dead workers' consumers from the group (idle long, nothing pending)."""
+        w = self.settings.memory.worker
+        idle_ms = max(_DEAD_IDLE_MS, 2 * w.claim_idle_ms, int(2000 * w.breaker_seconds))
+        try:
+            removed = await self.jobs.prune(idle_ms)
+        except Exception as exc:  # the store is away: the next prune will do
+            log.warning("fold.prune_failed", error=type(exc).__name__, worker=self.name)
+            return
+        if removed:
+            log.info("fold.consumers_removed", consumers=removed, idle_ms=idle_ms, worker=self.name)
+
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
     async def _next(self, *, block: bool) -> tuple[str | None, Job | None]:
-        group, stream = Keys.FOLD_GROUP, self.stream
         # 1. own pending jobs: left unacked by a breaker pause, a busy lock or a store error.
         if self._unacked != 0:
-            mine: Any = await self.redis.xreadgroup(group, self.name, {stream: "0"}, count=1)
-            for _, entries in mine or []:
-                for job_id, fields in entries:
-                    return _s(job_id), parse_job(job_id, fields)
+            mine = await self.jobs.own_pending(self.name)
+            if mine is not None:
+                return mine
             self._unacked = 0
         # 2. jobs of crashed consumers. They have been idle for claim_idle_ms (a second at least):
         # after an XAUTOCLAIM that found none, asking again within _POLL_SECONDS finds none sooner.
         now = time.monotonic()
         if now >= self._reclaim_after:
-            claimed: Any = await self.redis.xautoclaim(stream, group, self.name,
-                                                  min_idle_time=self.settings.memory.worker.claim_idle_ms,
-                                                  start_id="0-0", count=1)
-            entries = claimed[1] if claimed and len(claimed) > 1 else []
-            for job_id, fields in entries:
-                log.info("fold.reclaimed", job=_s(job_id), worker=self.name)
-                return self._delivered(job_id, fields)
+            claimed = await self.jobs.reclaim(self.name, self.settings.memory.worker.claim_idle_ms)
+            if claimed is not None:
+                log.info("fold.reclaimed", job=claimed[0], worker=self.name)
+                return self._delivered(claimed)
             self._reclaim_after = now + _POLL_SECONDS
-        # 3. new jobs. fakeredis returns at once even with BLOCK: never rely on the block.
+        # 3. new jobs. fakeredis returns at once even with a block: never rely on the wait.
         started = time.monotonic()
-        new: Any = await self.redis.xreadgroup(group, self.name, {stream: ">"}, count=1,
-                                          block=_BLOCK_MS if block else None)
-        for _, entries in new or []:
-            for job_id, fields in entries:
-                return self._delivered(job_id, fields)
+        new = await self.jobs.next(self.name, _BLOCK_MS if block else None)
+        if new is not None:
+            return self._delivered(new)
         if block and time.monotonic() - started < _BLOCK_MS / 2000:
             await self._wait_for_job(_POLL_SECONDS)
         return None, None
 
-    def _delivered(self, job_id: Any, fields: dict[Any, Any] | None) -> tuple[str, Job | None]:
+    def _delivered(self, delivery: tuple[str, Job | None]) -> tuple[str, Job | None]:
         """A job the group just handed to this consumer: pending on it until acked."""
         if self._unacked is not None:
             self._unacked += 1
-        return _s(job_id), parse_job(job_id, fields)
+        return delivery
 
     async def _wait_for_job(self, seconds: float) -> None:
         """Sleep until this process queues a fold, `stop()`, or `seconds` pass."""
-        signal = getattr(self.store, "fold_queued", None)
-        if signal is None:
-            await self._pause(seconds)
-            return
+        signal = self.store.fold_queued
         signal.clear()
         waits = [asyncio.ensure_future(signal.wait()), asyncio.ensure_future(self._stopping.wait())]
         try:
@@ -266,12 +242,9 @@ class FoldWorker:
                 w.cancel()
 
     async def _ack(self, job_id: str) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream, Keys.FOLD_GROUP, job_id)
-            pipe.xdel(self.stream, job_id)
-            acked, _ = await pipe.execute()
+        acked = await self.jobs.ack(job_id)
         if self._unacked:
-            self._unacked = max(0, self._unacked - int(acked))
+            self._unacked = max(0, self._unacked - acked)
         self._attempts.pop(job_id, None)
 
     # -- one job ---------------------------------------------------------------------------------
@@ -331,8 +304,6 @@ class FoldWorker:
 
     async def _target(self, ref: ConvRef, *, urgent: bool) -> tuple[Any, list[Any], int, int] | None:
         """(view, aged turns, covers, target) when a fold is due now, else None."""
-        from gateway.shape import shape_for
-
         mem = self.settings.memory
         view = await self.store.load(ref)
         summary = view.summary
@@ -341,8 +312,8 @@ class FoldWorker:
             turns = list(view.tail)
         else:
             turns = await self.store.messages(ref, covers, view.length)
-        shape = shape_for(view.dialect or "openai_chat")
-        target = fold.fold_target(shape, turns, covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
+        dialect = dialect_named(view.dialect or "openai_chat")
+        target = fold.fold_target(dialect, turns, covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
                                   fold_tokens=mem.fold_tokens, urgent=urgent)
         if target is None:
             return None
@@ -350,16 +321,15 @@ class FoldWorker:
 
     async def fold_conversation(self, ref: ConvRef, *, urgent: bool = False, job_id: str | None = None) -> str:
         """Fold one conversation once: "ok", "noop" (nothing due), "conflict" (CAS refused) or "busy"."""
-        lock_key = self.keys.fold_lock(ref)
         token = uuid.uuid4().hex
         ttl = self.settings.memory.worker.claim_idle_ms
-        if not await self.redis.set(lock_key, token, nx=True, px=ttl):
+        if not await self.jobs.lock(ref, token, ttl):
             return "busy"
         loop = asyncio.get_running_loop()
         beats: list[asyncio.Task[None]] = []
         # The heartbeat's task starts with its first beat: nearly every fold ends long before that.
         timer = loop.call_later(ttl / 3000, lambda: beats.append(
-            loop.create_task(self._heartbeat(lock_key, job_id, ttl))))
+            loop.create_task(self._heartbeat(ref, job_id, ttl))))
         try:
             return await self._fold_locked(ref, urgent=urgent)
         finally:
@@ -370,19 +340,16 @@ class FoldWorker:
                     await beat
             # Shielded: a cancelled worker still frees the conversation for the next one.
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._release(keys=[lock_key], args=[token]))
+                await asyncio.shield(self.jobs.unlock(ref, token))
 
-    async def _heartbeat(self, lock_key: str, job_id: str | None, ttl_ms: int) -> None:
+    async def _heartbeat(self, ref: ConvRef, job_id: str | None, ttl_ms: int) -> None:
         """Keep a long fold's lock and job from looking abandoned (reclaim after claim_idle_ms).
 
         Started a third of the ttl into the fold: beats at once, then every third of the ttl.
         """
         while True:
             with contextlib.suppress(Exception):
-                await self.redis.pexpire(lock_key, ttl_ms)
-                if job_id is not None:
-                    await self.redis.xclaim(self.stream, Keys.FOLD_GROUP, self.name, min_idle_time=0,
-                                            message_ids=[job_id], justid=True)
+                await self.jobs.keep(ref, job_id, self.name, ttl_ms)
             await asyncio.sleep(ttl_ms / 3000)
 
     async def _fold_locked(self, ref: ConvRef, *, urgent: bool) -> str:
@@ -394,14 +361,18 @@ class FoldWorker:
         previous = view.summary
         version = previous.version if previous is not None else 0
         text = previous.text if previous is not None else ""
-        proposal: _Proposal | None = None
+        proposal: StateChange | None = None
+        pid = os.getpid()
         if self.local:
-            # All of a local fold's CPU in one hand-off to a thread: the summary, and the ledger's
+            # All of a local fold's CPU in one hand-off (foldcpu.py): the summary, and the ledger's
             # update from the state `load` just returned (written after the commit, by CAS).
-            result, tokens, proposal = await asyncio.to_thread(
-                self._fold_local, text, aged, covers, self.keys.project_state(ref), view.state, view.state_version)
+            state_key = self.store.keys.project_state(ref)
+            out = await self.cpu.fold(text, aged, covers, state_key, view.state, view.state_version, _now_iso(),
+                                      ref.conversation)
+            result, tokens, proposal, pid = out.summary, out.tokens, out.state, out.pid
         else:
-            result = await fold.fold_summary(self.summarizer, text, aged, covers, max_tokens=mem.max_summary_tokens)
+            result = await fold.fold_summary(self.summarizer, text, aged, covers, max_tokens=mem.max_summary_tokens,
+                                             timeline_tokens=mem.timeline_tokens)
             tokens = self.summarizer.count(result.text)
         chain = aged[-1].chain
         summary = Summary(text=result.text, covers=target, version=version + 1, tokens=tokens, chain=chain)
@@ -417,51 +388,48 @@ class FoldWorker:
             s_in = s_out = 0
         await self._spent(ref, tokens_in + s_in, tokens_out + s_out, folds=1)
         log.info("fold.ok", conversation=ref.conversation, covers=target, summary_tokens=summary.tokens,
-                 summarizer=self.summarizer.name)
+                 summarizer=self.summarizer.name, process=pid)
         # Replicas planning this conversation from what they know reload it now, not a request late.
         with contextlib.suppress(StoreUnavailable):
             await self.store.announce(ref, "folded")
         return "ok"
 
-    def _fold_local(self, text: str, aged: list[Any], covers: int, state_key: str, state_data: dict[str, Any] | None,
-                    state_version: int) -> tuple[fold.SummaryResult, int, _Proposal]:
-        """A local summarizer's fold, in a worker thread: (summary, its tokens, the ledger's update)."""
-        mem = self.settings.memory
-        result = fold.run_local(fold.fold_summary(self.summarizer, text, aged, covers,
-                                                  max_tokens=mem.max_summary_tokens))
-        ledger = self._ledgers.load(state_key, state_data)
-        updated, s_in, s_out = fold.run_local(self.summarizer.update_state(ledger, aged, covers, now=_now_iso()))
-        return result, self.summarizer.count(result.text), _Proposal(ledger, updated, state_version, s_in, s_out)
-
     async def _update_state(self, ref: ConvRef, aged: list[Any], start: int,
-                            proposal: _Proposal | None = None) -> tuple[int, int]:
+                            proposal: StateChange | None = None) -> tuple[int, int]:
         """Merge what the aged messages say into the (maybe project-shared) ledger, by CAS.
 
         `proposal`: the update already computed from the ledger the fold loaded; when another
         conversation of the project wrote the ledger since, the CAS refuses it and it is redone.
         """
         spent_in = spent_out = 0
-        key = self.keys.project_state(ref)
+        key = self.store.keys.project_state(ref)
         for _ in range(3):  # other conversations of the project may write the ledger meanwhile
             if proposal is None:
                 data, version = await self.store.get_state(ref)
-                ledger = self._ledgers.load(key, data)
-                call = self.summarizer.update_state(ledger, aged, start, now=_now_iso())
-                # A local summarizer computes on the calling thread: not on the event loop's.
-                updated, tin, tout = await (asyncio.to_thread(fold.run_local, call) if self.local else call)
-            else:
-                ledger, updated, version, tin, tout = proposal
-                proposal = None
-            spent_in += tin
-            spent_out += tout
-            if updated is ledger or updated == ledger:
+                if self.local:  # CPU: where the fold's runs, off the event loop
+                    proposal = await self.cpu.state(key, data, version, aged, start, _now_iso(), ref.conversation)
+                else:
+                    proposal = await self._remote_state(key, data, version, aged, start, ref.conversation)
+            change, proposal = proposal, None
+            spent_in += change.tokens_in
+            spent_out += change.tokens_out
+            if change.dumped is None:
                 return spent_in, spent_out
-            dumped = updated.dump()
-            if await self.store.put_state(ref, dumped, expect_version=version):
-                self._ledgers.remember(key, dumped, updated)
+            if await self.store.put_state(ref, change.dumped, expect_version=change.version):
+                if change.updated is not None:
+                    self._ledgers.remember(key, change.dumped, change.updated)
                 return spent_in, spent_out
         log.warning("fold.state_contended", conversation=ref.conversation)
         return spent_in, spent_out
+
+    async def _remote_state(self, key: str, data: dict[str, Any] | None, version: int, aged: list[Any],
+                            start: int, conversation: str) -> StateChange:
+        """The ledger's update by a summarizer that waits on its upstream (on the event loop)."""
+        ledger = self._ledgers.load(key, data)
+        updated, tin, tout = await read_turns(self.summarizer, ledger, aged, start, conversation, _now_iso())
+        if updated is ledger or updated == ledger:
+            return StateChange(version, None, tin, tout)
+        return StateChange(version, updated.dump(), tin, tout, updated)
 
     async def _spent(self, ref: ConvRef, tokens_in: int, tokens_out: int, *, folds: int) -> None:
         stats = {"summarizer_tokens_in": tokens_in, "summarizer_tokens_out": tokens_out}
@@ -475,42 +443,20 @@ class FoldWorker:
                 self.metrics.summarizer_tokens.labels(kind="output").inc(tokens_out)
 
 
-# -- stream helpers ----------------------------------------------------------------------------
+# -- waiting for the queue ------------------------------------------------------------------------
 
-async def ensure_group(redis: Any, stream: str) -> None:
-    try:
-        # From "0": jobs enqueued before any worker ever started are not skipped.
-        await redis.xgroup_create(stream, Keys.FOLD_GROUP, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
-
-
-async def queued(store: Any) -> int:
+async def queued(store: Store) -> int:
     """Fold jobs not finished: pending (delivered, not acked) plus not yet delivered."""
-    redis, stream = store.redis, store.keys.fold_stream()
-    if not await redis.exists(stream):
-        return 0
-    groups = await redis.xinfo_groups(stream)
-    group = next((g for g in groups if _s(g.get("name", g.get(b"name", ""))) == Keys.FOLD_GROUP), None)
-    if group is None:
-        return int(await redis.xlen(stream))
-    pending = int(group.get("pending", group.get(b"pending", 0)) or 0)
-    last = _s(group.get("last-delivered-id", group.get(b"last-delivered-id", "0-0")))
-    undelivered = await redis.xrange(stream, min=f"({last}", max="+", count=1)
-    return pending + len(undelivered)
+    return await store.folds.unfinished()
 
 
-async def settle(store: Any, timeout: float = 60.0) -> None:  # noqa: ASYNC109 (the CLI's contract)
-    """Wait until no fold job is queued or pending (`gateway eval --settle`).
+async def settle(store: Store | None, timeout: float = 60.0) -> None:  # noqa: ASYNC109 (the CLI's contract)
+    """Wait until no fold job is queued or pending (`gateway eval --settle`); None: no store, none are.
 
-    `store` is a Store, or an aiohttp app holding one (`gateway.app.STORE`). Raises TimeoutError
-    when jobs remain after `timeout` seconds (no worker running, breaker open).
+    Raises TimeoutError when jobs remain after `timeout` seconds (no worker running, breaker open).
     """
-    if not hasattr(store, "keys") or not hasattr(store, "redis"):
-        from gateway.app import STORE
-
-        store = store[STORE]
+    if store is None:
+        return
     deadline = time.monotonic() + timeout
     while True:
         if await queued(store) == 0:
@@ -523,18 +469,27 @@ async def settle(store: Any, timeout: float = 60.0) -> None:  # noqa: ASYNC109 (
 # -- running many ------------------------------------------------------------------------------
 
 class WorkerPool:
-    """`n` fold workers in this process sharing one circuit breaker (for `serve` and `worker`)."""
+    """`n` fold workers in this process sharing one circuit breaker (for `serve` and `worker`).
 
-    def __init__(self, store: Any, settings: Settings, summarizer: Any, n: int, *, metrics: Any = None,
-                 name: str | None = None) -> None:
+    `processes` > 0: their fold CPU runs in that many child processes (foldcpu.ProcessCPU), shared
+    by the workers and stopped with them; 0: in threads of this process.
+    """
+
+    def __init__(self, store: Store, settings: Settings, summarizer: fold.Summarizer, n: int, *, metrics: Any = None,
+                 name: str | None = None, processes: int = 0) -> None:
         w = settings.memory.worker
         self.breaker = Breaker(w.max_failures, w.breaker_seconds)
         base = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.cpu = fold_cpu(settings, summarizer, processes if n else 0)
+        if processes and n and hasattr(summarizer, "offload"):
+            summarizer.offload = self.cpu.call  # the llm summarizer's fallback extraction
         self.workers = [FoldWorker(store, settings, summarizer, metrics=metrics, name=f"{base}-{i}",
-                                   breaker=self.breaker) for i in range(n)]
+                                   breaker=self.breaker, cpu=self.cpu) for i in range(n)]
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> WorkerPool:
+        if isinstance(self.cpu, ProcessCPU) and self.workers[0].local:
+            self.cpu.start()  # an llm summarizer's folds rarely need it: its child starts when one does
         self.tasks = [asyncio.create_task(w.run(), name=f"fold-worker-{w.name}") for w in self.workers]
         return self
 
@@ -542,11 +497,13 @@ class WorkerPool:
         """Stop taking jobs, let running folds finish for up to `grace` seconds, then cancel them.
 
         Idle workers are cancelled at once: they only wait on a blocking read (up to a second on
-        Redis), and a job they were just handed stays pending in the group and is reclaimed.
+        Redis). Jobs still pending on them (a fold cut short, one just handed to an idle worker)
+        are handed back: other workers reclaim them at once, not after claim_idle_ms.
         """
         for w in self.workers:
             await w.stop()
         if not self.tasks:
+            await self.cpu.close(grace)
             return
         for w, task in zip(self.workers, self.tasks, strict=True):
             if not w.busy:
@@ -556,21 +513,25 @@ class WorkerPool:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks = []
+        # Folds cut short leave their child computing for nothing: it is given no more time.
+        await self.cpu.close(0.0 if still else grace)
+        for w in self.workers:
+            await w.hand_back()
 
 
-def start_workers(store: Any, settings: Settings, summarizer: Any, n: int | None = None, *,
-                  metrics: Any = None) -> WorkerPool:
-    """Start `n` (default `memory.worker.in_process`) workers as tasks; `await pool.stop()` at shutdown."""
-    count = settings.memory.worker.in_process if n is None else n
-    log.info("fold.workers_started", workers=count, summarizer=getattr(summarizer, "name", "?"))
-    return WorkerPool(store, settings, summarizer, count, metrics=metrics).start()
+def start_workers(store: Store, settings: Settings, summarizer: fold.Summarizer, n: int | None = None, *,
+                  metrics: Any = None, processes: int | None = None) -> WorkerPool:
+    """Start `n` (default `memory.worker.in_process`) workers as tasks, their fold CPU in `processes`
+    (default `memory.worker.fold_processes`) child processes; `await pool.stop()` at shutdown."""
+    w = settings.memory.worker
+    count = w.in_process if n is None else n
+    procs = w.fold_processes if processes is None else processes
+    log.info("fold.workers_started", workers=count, summarizer=summarizer.name, fold_processes=procs if count else 0)
+    return WorkerPool(store, settings, summarizer, count, metrics=metrics, processes=procs).start()
 
 
 def main(args: Any) -> int:
     """`gateway worker [--config PATH]`: run `memory.worker.concurrency` workers until SIGINT/SIGTERM."""
-    from gateway.config import ConfigError, load_settings
-    from gateway.logs import configure
-
     try:
         settings = load_settings(getattr(args, "config", None))
     except ConfigError as exc:
@@ -587,12 +548,6 @@ def main(args: Any) -> int:
 
 
 async def _run_workers(settings: Settings) -> None:
-    import signal
-
-    from gateway.store import open_store
-    from gateway.summarizer import build_summarizer
-    from gateway.tokens import TokenCounter
-
     store = await open_store(settings.store)
     counter = TokenCounter(settings.models)
     model = settings.memory.summarizer.model
@@ -608,6 +563,6 @@ async def _run_workers(settings: Settings) -> None:
     try:
         await stop.wait()
     finally:
-        await pool.stop()
+        await pool.stop(settings.server.shutdown_grace_seconds)
         await summarizer.close()
         await store.close()

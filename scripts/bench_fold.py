@@ -28,18 +28,18 @@ from test_summarizer import PLANTED, FakeUpstream, count, llm_settings, planted_
 
 from gateway import fold, state, worker
 from gateway.config import Settings, parse_settings
+from gateway.dialects import content_hash, dialect_named
 from gateway.keys import ConvRef
-from gateway.model import Turn
-from gateway.shape import content_hash, shape_for
+from gateway.model import Message
 from gateway.store import Store, open_store
 from gateway.summarizer import build_summarizer
 
-SHAPE = shape_for("openai_chat")
+SHAPE = dialect_named("openai_chat")
 
 
-def make_turn(role: str, text: str) -> Turn:
+def make_turn(role: str, text: str) -> Message:
     raw = {"role": role, "content": text}
-    return Turn(raw=raw, role=role, text=text, tokens=count(text), hash=content_hash(SHAPE, raw))
+    return Message(raw=raw, role=role, text=text, tokens=count(text), hash=content_hash(SHAPE, raw))
 
 
 async def append(store: Store, ref: ConvRef, messages: list[tuple[str, str]]) -> int:

@@ -9,7 +9,7 @@ Same workload three times, each time against a fresh fake upstream (`python -m g
       consuming the fold jobs; its `fold.ok` lines are counted from its own log
   (c) folds off: memory.worker.in_process: 0 (fold jobs are queued, but nothing consumes them)
 
-All runs set memory.cost_model: false, so no rewrite is swapped back for the full history on cost
+All runs set memory.policy: threshold, so no rewrite is swapped back for the full history on cost
 grounds. Note: even without a summary the gateway rewrites once a conversation passes
 memory.message_threshold / token_threshold (recent window + omitted-turns marker + retrieval excerpts,
 no summary block), so (c) also mixes `full` and `rewritten`; in (a) and (b) later rewrites carry a
@@ -141,7 +141,7 @@ async def run_once(name: str, in_process: int, args: argparse.Namespace, reply: 
         f"upstreams:\n  openai:\n    base_url: http://127.0.0.1:{fake_port}/v1\n"
         f"store:\n  url: {args.store}\n"
         "server:\n  log_level: info\n  log_format: json\n"
-        "memory:\n  enabled: true\n  cost_model: false\n"
+        "memory:\n  enabled: true\n  policy: threshold\n"
         f"  fold_batch: {args.fold_batch}\n  keep_recent: {args.keep_recent}\n"
         f"  worker:\n    in_process: {in_process}\n")
     await flush_store(args.store)
@@ -250,7 +250,7 @@ async def main() -> None:
     print(f"{args.conversations} conversations x {args.turns} turns (full history resent, "
           f"{args.min_words}-{args.max_words}-word user messages, 100-word replies), "
           f"upstream latency {args.latency_ms:g} ms, store {args.store}, "
-          f"fold_batch {args.fold_batch}, keep_recent {args.keep_recent}, cost_model false; logs in {workdir}",
+          f"fold_batch {args.fold_batch}, keep_recent {args.keep_recent}, policy threshold; logs in {workdir}",
           flush=True)
     # Folds off first: a worker process of an earlier run that is slow to exit must not fold
     # into this run's conversations (same store, same conversation ids).

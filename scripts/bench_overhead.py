@@ -211,7 +211,7 @@ async def seed(base: str, work: Workload, settle_s: float, per_slot: int) -> Non
         deadline = time.monotonic() + settle_s
         while pending and time.monotonic() < deadline:
             for conv_id in list(pending):
-                async with session.get(f"{base}/v1/conversations/{conv_id}",
+                async with session.get(f"{base}/gateway/conversations/{conv_id}",
                                        headers={"Authorization": "Bearer sk-bench"}) as r:
                     info = await r.json()
                 w = info.get("window")  # absent while the seed's turns are still being recorded
@@ -341,6 +341,9 @@ async def main() -> None:
     p.add_argument("--settle-seconds", type=float, default=300)
     p.add_argument("--separate-worker", action="store_true",
                    help="folds in a `gateway worker` process instead of inside `gateway serve`")
+    p.add_argument("--in-process", type=int, default=1,
+                   help="memory.worker.in_process of `gateway serve` (0 without --separate-worker: nothing "
+                        "folds, every request meets a growing backlog of unfolded messages)")
     p.add_argument("--reference", action="store_true",
                    help="memory off: also time a bare aiohttp relay (scripts/bare_relay.py) in the same rounds")
     args = p.parse_args()
@@ -350,13 +353,16 @@ async def main() -> None:
     if args.reference and memory:
         raise SystemExit("--reference compares the pass-through path: run it without --conversation-turns")
     requests = args.requests or (1000 if memory else 2000)
+    folding = args.separate_worker or args.in_process > 0
+    if not folding:
+        args.settle_seconds = 0  # nothing will summarise the seeded conversations
     workdir = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     fake_port, gw_port, ref_port = free_port(), free_port(), free_port()
     config = workdir / "gateway.yaml"
     config.write_text(
         f"upstreams:\n  openai:\n    base_url: http://127.0.0.1:{fake_port}/v1\n"
         f"store:\n  url: {args.store}\nmemory:\n  enabled: {str(memory).lower()}\n"
-        f"  worker:\n    in_process: {0 if args.separate_worker else 1}\n"
+        f"  worker:\n    in_process: {0 if args.separate_worker else args.in_process}\n"
         "server:\n  log_level: info\n")
     if memory and not args.store.startswith("memory://"):
         import redis
@@ -384,7 +390,8 @@ async def main() -> None:
               f"{args.latency_ms:g} ms" + (f" ± {args.jitter_ms:g}" if args.jitter_ms else "")
               + f", {os.cpu_count()} CPUs, memory "
               + (f"on ({args.store}), histories of N to N+{2 * args.per_conversation} messages, folds "
-                 f"{'in a separate worker' if args.separate_worker else 'in-process'}" if memory else "off"))
+                 f"{'in a separate worker' if args.separate_worker else 'in-process' if folding else 'off'}"
+                 if memory else "off"))
         print(f"{'mode':<10}{'conc':>5}{' N':>5} | {'direct p50/p90/p99 ms':>22} | {'gateway p50/p90/p99 ms':>22} | "
               f"{'added p50/p90/p99 ms':>21} | {'rps direct/gw':>13} | {'CPU/req':>7} | "
               f"{'gateway_ms p50/p99':>18}" + (" | contexts" if memory else ""))
@@ -417,7 +424,8 @@ async def main() -> None:
                             c.ref_cpu += cpu_seconds(ref.pid) - ref_cpu0
                         if memory:
                             await seed(base, c.g_work, args.settle_seconds, per_block)
-                            await folds_settled(args.store)  # those the warm-up requests queued
+                            if folding:
+                                await folds_settled(args.store)  # those the warm-up requests queued
                             await asyncio.sleep(0.2)  # their log lines are written in batches too
                         gw_log.mark()
                         cpu0 = [cpu_seconds(pr.pid) for pr in procs]
@@ -425,7 +433,7 @@ async def main() -> None:
                         c.cpu = [x + cpu_seconds(pr.pid) - x0 for x, x0, pr in zip(c.cpu, cpu0, procs, strict=True)]
                         await asyncio.sleep(0.2)  # the log is written in batches
                         c.own += gw_log.since_mark()
-                        if memory:
+                        if memory and folding:
                             await folds_settled(args.store)
                 for c in cells:
                     print(c.row(mode, conc, memory), flush=True)

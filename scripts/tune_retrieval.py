@@ -12,6 +12,11 @@ the probe are the window, always forwarded), searches with the probe question (t
   (full history up to `after` + question tokens), cl100k.
 
 Usage: scripts/tune_retrieval.py [DATA] [--budget N] [--keep-recent 10] [--plain] [--set k=v ...]
+       [--embeddings [--vectors FILE.npz] [--dense-top 50]] [--half 0|1]
+
+`--embeddings` fuses the lexical ranks with the packaged embedding model's (gateway/embed.py): every
+message and question is embedded once (cached in --vectors when given). `--half` keeps every other
+probe (0 or 1), to tune on one half of a data set and check on the other.
 """
 
 from __future__ import annotations
@@ -78,8 +83,32 @@ def build_params(plain: bool, overrides: list[str]) -> RankingParams:
     return dataclasses.replace(params, **changes)
 
 
+def _vectors(conversations: list[dict[str, Any]], cache: Path | None) -> tuple[Any, Any]:
+    """int8 vectors of every message (in file order) and every probe question."""
+    import numpy as np
+
+    if cache is not None and cache.is_file():
+        loaded = np.load(cache)
+        return loaded["messages"], loaded["questions"]
+    from gateway.embed import encoder
+
+    enc = encoder()
+    texts = [m["content"] or "" for c in conversations for m in c["messages"]]
+    questions = [p["question"] for c in conversations for p in c["probes"]]
+    out = np.zeros((len(texts), 384), np.int8)
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # batches of like lengths pad little
+    for s in range(0, len(order), 16):
+        idx = order[s:s + 16]
+        out[idx] = enc.encode([texts[i] for i in idx])
+    q = enc.encode(questions)
+    if cache is not None:
+        np.savez(cache, messages=out, questions=q)
+    return out, q
+
+
 def run(
-    data: Path, budget: int, keep_recent: int, params: RankingParams, verbose: bool = False
+    data: Path, budget: int, keep_recent: int, params: RankingParams, verbose: bool = False,
+    *, embeddings: bool = False, vectors: Path | None = None, dense_top: int = 50, half: int | None = None,
 ) -> dict[str, Any]:
     enc = _encoder()
     recalls: list[float] = []
@@ -89,10 +118,21 @@ def run(
     misses: list[str] = []
     with data.open(encoding="utf-8") as fh:
         conversations = [json.loads(line) for line in fh if line.strip()]
+    mvec = qvec = None
+    if embeddings:
+        from gateway.embed import nearest
+
+        mvec, qvec = _vectors(conversations, vectors)
+    first_message = first_probe = 0
     for conv in conversations:
         messages = conv["messages"]
         tokens = [len(enc.encode(m["content"] or "")) for m in messages]
-        for probe in conv["probes"]:
+        base_m, base_q = first_message, first_probe
+        first_message += len(messages)
+        first_probe += len(conv["probes"])
+        for number, probe in enumerate(conv["probes"]):
+            if half is not None and (base_q + number) % 2 != half:
+                continue
             after = probe["after"]
             cut = max(0, after - keep_recent)
             index = RetrievalIndex(params)
@@ -102,9 +142,11 @@ def run(
             window = [messages[i]["content"] or "" for i in range(cut, after)]
             question = probe["question"]
             t0 = time.perf_counter()
+            dense = (nearest(mvec[base_m:base_m + cut], qvec[base_q + number], 0, cut, dense_top)
+                     if mvec is not None else ())
             hits = index.search(
                 question, budget_tokens=budget, exclude=range(cut, after), recent=window,
-                query_time=probe.get("time"),
+                query_time=probe.get("time"), dense=dense,
             )
             latencies.append(time.perf_counter() - t0)
             retrieved = [h.index for h in hits]
@@ -156,10 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help="plain BM25 baseline (every refinement off)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a RankingParams field (repeatable)")
+    ap.add_argument("--embeddings", action="store_true", help="fuse with the packaged embedding model")
+    ap.add_argument("--vectors", type=Path, default=None, help="cache of the embeddings (.npz)")
+    ap.add_argument("--dense-top", type=int, default=50, help="dense candidates fused (default 50)")
+    ap.add_argument("--half", type=int, choices=(0, 1), default=None, help="every other probe only")
     ap.add_argument("-v", "--verbose", action="store_true", help="list the probes with missed evidence")
     args = ap.parse_args(argv)
     params = build_params(args.plain, args.overrides)
-    res = run(args.data, args.budget, args.keep_recent, params, args.verbose)
+    res = run(args.data, args.budget, args.keep_recent, params, args.verbose, embeddings=args.embeddings,
+              vectors=args.vectors, dense_top=args.dense_top, half=args.half)
     print(f"data={args.data.name} budget={args.budget} keep_recent={args.keep_recent} probes={res['probes']}")
     print(f"{'category':<28}{'n':>4}{'recall':>9}")
     for cat, (rec, n) in res["by_category"].items():

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from gateway import worker
-from gateway.app import HOOK, create_app, drain_background
+from gateway.app import HOOK, STORE, create_app, drain_background
 from gateway.testing import FakeUpstream, Received, serve_app
 from gateway.tokens import TokenCounter
 
@@ -27,8 +27,11 @@ ANTHROPIC_MODEL = "claude-test"
 SYSTEM = "You are a careful assistant for the Memory Gateway project. Answer briefly."
 
 # Folds happen every few turns: 6 messages trigger a rewrite, the last 4 stay verbatim.
-# These tests are about the rewrite itself: it is not traded for a cached full history (cost_model).
-SMALL: dict[str, Any] = {"message_threshold": 6, "keep_recent": 4, "fold_batch": 4, "cost_model": False}
+# These tests are about the rewrite itself: it is not traded for a cached full history (policy cost).
+# Their summaries are a few lines long: a timeline beside them (tested in test_timeline.py) would
+# outweigh the handful of messages they stand for.
+SMALL: dict[str, Any] = {"message_threshold": 6, "keep_recent": 4, "fold_batch": 4, "policy": "threshold",
+                         "min_saving_share": 0.0, "timeline_tokens": 0}
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +69,7 @@ class Gateway:
         from what it knows only then)."""
         hook = self.app[HOOK]
         for _ in range(200):
-            if hook.views.live:
+            if hook.caches.views.live:
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("the memory layer never subscribed to the store's change channel")
@@ -74,12 +77,12 @@ class Gateway:
     async def settle(self) -> None:
         """Every recording finished, then every queued fold done."""
         await drain_background(self.app)
-        await worker.settle(self.app, timeout=20)
+        await worker.settle(self.app[STORE], timeout=20)
 
     async def api(self, method: str, path: str, key: str = KEY, **kwargs: Any) -> tuple[int, Any]:
-        """Call the conversation API (`path` after /v1/conversations/); (status, parsed JSON)."""
+        """Call the conversation API (`path` after /gateway/conversations/); (status, parsed JSON)."""
         headers = {"Authorization": f"Bearer {key}", **kwargs.pop("headers", {})}
-        async with self.http.request(method, f"{self.url}/v1/conversations/{path}", headers=headers,
+        async with self.http.request(method, f"{self.url}/gateway/conversations/{path}", headers=headers,
                                      **kwargs) as r:
             return r.status, await r.json(content_type=None)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import signal
 import socket
 import sys
-import types
 from pathlib import Path
 
 import aiohttp
@@ -65,17 +65,18 @@ def test_check_config_reads_gateway_config_env(tmp_path: Path, monkeypatch: pyte
 
 @pytest.mark.parametrize(("argv", "module", "attrs"), [
     (["worker", "--config", "w.yaml"], "gateway.worker", {"config": "w.yaml"}),
-    (["eval", "data.jsonl", "--summarizer", "llm", "--settle", "--json", "o.json", "--limit", "3"], "gateway.eval",
-     {"dataset": "data.jsonl", "summarizer": "llm", "settle": True, "json": "o.json", "limit": 3}),
-    (["demo", "--turns", "12"], "gateway.demo", {"turns": 12}),
+    (["eval", "data.jsonl", "--summarizer", "llm", "--settle", "--json", "o.json", "--limit", "3", "--data-clock"],
+     "gateway.eval", {"dataset": "data.jsonl", "summarizer": "llm", "settle": True, "json": "o.json", "limit": 3,
+                      "data_clock": True, "ttl": None}),
+    (["demo", "--turns", "12", "--serve", "--port", "9000"], "gateway.demo",
+     {"turns": 12, "serve": True, "port": 9000}),
+    (["stats", "--url", "http://h:1", "--key", "k"], "gateway.savings", {"url": "http://h:1", "key": "k"}),
 ])
-def test_subcommands_dispatch_lazily(monkeypatch: pytest.MonkeyPatch, argv: list[str], module: str,
+def test_subcommands_dispatch(monkeypatch: pytest.MonkeyPatch, argv: list[str], module: str,
                                      attrs: dict[str, object]) -> None:
-    """worker / eval / demo call `<module>.main(args)` with their parsed options and return its exit code."""
+    """worker / eval / demo / stats call `<module>.main(args)` with their parsed options and return its exit code."""
     seen = []
-    fake = types.ModuleType(module)
-    fake.main = lambda args: seen.append(args) or 7  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, module, fake)
+    monkeypatch.setattr(importlib.import_module(module), "main", lambda args: seen.append(args) or 7)
     assert cli.main(argv) == 7
     for key, value in attrs.items():
         assert getattr(seen[0], key) == value

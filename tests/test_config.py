@@ -11,7 +11,8 @@ import yaml
 from gateway.config import ConfigError, Settings, load_settings
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
-ENV_VARS = ("GATEWAY_HOST", "GATEWAY_PORT", "GATEWAY_STORE_URL", "OPENAI_BASE_URL", "ANTHROPIC_BASE_URL")
+ENV_VARS = ("GATEWAY_HOST", "GATEWAY_PORT", "GATEWAY_STORE_URL", "GATEWAY_OPENAI_BASE_URL",
+            "GATEWAY_ANTHROPIC_BASE_URL")
 
 
 def keys(value: Any, prefix: str = "") -> set[str]:
@@ -20,7 +21,7 @@ def keys(value: Any, prefix: str = "") -> set[str]:
     out = set()
     for k, v in value.items():
         out.add(prefix + k)
-        if prefix + k != "models":  # model entries are data, not schema
+        if prefix + k not in ("models", "pricing"):  # model entries are data, not schema
             out |= keys(v, prefix + k + ".")
     return out
 
@@ -88,3 +89,17 @@ def test_gateway_config_env_names_the_file(tmp_path: Path, monkeypatch: pytest.M
     p.write_text("server:\n  port: 7001\n")
     monkeypatch.setenv("GATEWAY_CONFIG", str(p))
     assert load_settings(None).server.port == 7001
+
+
+def test_an_empty_upstream_key_forwards_the_clients_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/gateway.yaml with the provider keys left unset holds no key of its own: clients' keys are forwarded."""
+    for name in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GATEWAY_STORE_URL", "redis://127.0.0.1:6379/0")
+    monkeypatch.setenv("GATEWAY_CLIENT_KEY", "gw-key-1")
+    settings = load_settings(str(Path(__file__).parent.parent / "deploy" / "gateway.yaml"))
+    assert settings.upstreams["openai"].api_key is None
+    assert settings.upstreams["anthropic"].api_key is None
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-own")
+    own = load_settings(str(Path(__file__).parent.parent / "deploy" / "gateway.yaml"))
+    assert own.upstreams["openai"].api_key == "sk-own"

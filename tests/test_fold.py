@@ -11,28 +11,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import fold, state
+from gateway.dialects import dialect_named
 from gateway.fold import SummaryResult
-from gateway.model import Turn
-from gateway.shape import shape_for
+from gateway.model import Message
 from gateway.summarizer import ExtractiveSummarizer
 
-SHAPE = shape_for("openai_chat")
+SHAPE = dialect_named("openai_chat")
 
 
 def words(text: str) -> int:
     return len(text.split())
 
 
-def msg(role: str, text: str = "", **extra: Any) -> Turn:
+def msg(role: str, text: str = "", **extra: Any) -> Message:
     raw: dict[str, Any] = {"role": role, "content": text, **extra}
-    return Turn(raw=raw, role=role, text=text, tokens=max(1, words(text)), hash="ab")
+    return Message(raw=raw, role=role, text=text, tokens=max(1, words(text)), hash="ab")
 
 
-def dialogue(n: int, text: str = "some words here") -> list[Turn]:
+def dialogue(n: int, text: str = "some words here") -> list[Message]:
     return [msg("user" if i % 2 == 0 else "assistant", f"{text} {i}") for i in range(n)]
 
 
-def target(turns: Sequence[Turn], start: int = 0, **kw: Any) -> int | None:
+def target(turns: Sequence[Message], start: int = 0, **kw: Any) -> int | None:
     opts = {"keep_recent": 10, "fold_batch": 10, "fold_tokens": 6000} | kw
     return fold.fold_target(SHAPE, turns[start:], start, **opts)
 
@@ -122,7 +122,7 @@ class Recorder:
         self.budget_tokens = budget
         self.calls: list[tuple[str, int]] = []
 
-    async def summarize(self, previous: str, turns: Sequence[Turn], start: int, *,
+    async def summarize(self, previous: str, turns: Sequence[Message], start: int, *,
                         max_tokens: int) -> SummaryResult:
         self.calls.append(("summarize", len(turns)))
         lines = [previous] if previous else []

@@ -90,7 +90,7 @@ async def test_a_warm_turn_costs_one_script_call_and_a_cold_one_two(redis_url: s
         assert sent == ["EVALSHA"]
 
         sent.clear()
-        g.app[HOOK].views.clear()
+        g.app[HOOK].caches.views.clear()
         history.append({"role": "user", "content": user_text(4)})
         await openai_turn(g, client, "one-call", history)
         assert sent == ["EVALSHA", "EVALSHA"]

@@ -1,4 +1,4 @@
-"""The conversation API (/v1/conversations/{id}) on a live gateway: what it reports matches what the
+"""The conversation API (/gateway/conversations/{id}) on a live gateway: what it reports matches what the
 memory path does, and its edits reach the next forwarded request."""
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ from memory_helpers import (
     Gateway,
     gw,  # noqa: F401 (fixture)
     gw_redis,  # noqa: F401 (fixture)
+    openai_turn,
     plain,
     reply_text,
     store_url,  # noqa: F401 (fixture)
     user_text,
 )
+
+from gateway.app import drain_background
 
 
 async def _talk(chat: Chat, msgs: list[dict[str, Any]], turns: range, *, settle: bool = True) -> Any:
@@ -35,7 +38,7 @@ def _is_openai_error(body: Any, kind: str = "invalid_request_error") -> bool:
 
 
 async def test_get_reports_stats_summary_state_and_window(gw: Gateway) -> None:  # noqa: F811
-    """GET /v1/conversations/{id} tells how many messages are stored, what the summary covers, which
+    """GET /gateway/conversations/{id} tells how many messages are stored, what the summary covers, which
     messages are the verbatim window, and what the memory saved."""
     gw.fake.responder = reply_text
     chat, msgs = Chat(gw, "openai", "stats"), []
@@ -148,7 +151,7 @@ async def test_delete_forgets_the_conversation(gw: Gateway) -> None:  # noqa: F8
     assert status == 200 and body == {"id": "gone", "deleted": True}
     status, err = await gw.api("GET", "gone")
     assert status == 404 and _is_openai_error(err, "not_found_error")
-    assert (await gw.api("GET", "gone/messages"))[1]["total"] == 0
+    assert (await gw.api("GET", "gone/messages"))[0] == 404
     fresh = [{"role": "user", "content": "A brand new start."}]
     headers, text = await chat.send(fresh)
     assert headers["x-gateway-context"] == "full" and plain(chat.forwarded()) == fresh
@@ -162,7 +165,30 @@ async def test_delete_forgets_the_conversation(gw: Gateway) -> None:  # noqa: F8
 @pytest.mark.parametrize(("method", "path"), [("PUT", "state"), ("PUT", "summary")])
 async def test_bad_json_is_a_400_in_the_openai_shape(gw_redis: Gateway, method: str, path: str) -> None:  # noqa: F811
     """A body that is not JSON gets a 400 with an OpenAI-style error object, not a 500."""
+    gw_redis.fake.responder = reply_text
+    await _talk(Chat(gw_redis, "openai", "any"), [], range(1), settle=False)
+    await drain_background(gw_redis.app)
     status, body = await gw_redis.api(method, f"any/{path}", data=b"{not json",
                                       headers={"Content-Type": "application/json"})
     assert status == 400 and _is_openai_error(body)
     assert "not valid JSON" in body["error"]["message"]
+
+
+async def test_a_state_edit_without_the_project_header_reaches_the_projects_requests(gw: Gateway) -> None:  # noqa: F811
+    """The dashboard edits a conversation without X-Project-Id: the edit lands in its project's state,
+    which the conversation's next request carries."""
+    gw.fake.responder = reply_text
+    client, msgs = gw.openai(), [{"role": "system", "content": "be brief"}]
+    project = {"extra_headers": {"X-Project-Id": "apollo"}}
+    for i in range(6):
+        msgs.append({"role": "user", "content": user_text(i)})
+        _, text = await openai_turn(gw, client, "proj", msgs, **project)
+        msgs.append({"role": "assistant", "content": text})
+        await gw.settle()
+    status, _ = await gw.api("PUT", "proj/state", json={"decisions": ["Ship on the Moon base"]})
+    assert status == 200
+    assert (await gw.api("GET", "proj"))[1]["project"] == "apollo"
+    msgs.append({"role": "user", "content": user_text(6)})
+    headers, _ = await openai_turn(gw, client, "proj", msgs, **project)
+    assert headers["x-gateway-context"] == "rewritten"
+    assert "Ship on the Moon base" in str(gw.last("/chat/completions").body)

@@ -7,9 +7,9 @@ from typing import Any
 
 import orjson
 import pytest
-from memory_helpers import Chat, memory_gateway, reply_text, user_text
+from memory_helpers import OPENAI_MODEL, Chat, memory_gateway, reply_text, user_text
 
-from gateway import memory, state
+from gateway import caches, rewrite, state
 from gateway.app import HOOK
 from gateway.config import Settings
 from gateway.memory import Memory
@@ -31,22 +31,22 @@ async def test_state_block_is_rendered_once_per_ledger(monkeypatch: pytest.Monke
         renders.append(ledger)
         return real(ledger, budget, count)
 
-    monkeypatch.setattr(memory.state, "render", spy)
+    monkeypatch.setattr(caches.state, "render", spy)
     ledger = state.Ledger(decisions=[state.Item(id="i1", text="Use Redis Cluster", source=3)],
                           constraints=[state.Item(id="i2", text="Never log API keys", source=5)], seq=2).dump()
-    block, tokens = mem._state_block(ledger, "gpt-test")
+    block, tokens = mem.blocks.state_block(ledger, "gpt-test")
     assert "Use Redis Cluster" in block and tokens == mem.tokens.count(block, "gpt-test")
     fresh = settings.memory.templates.state.format(
         state=real(state.Ledger.model_validate(ledger), settings.memory.state_budget_tokens,
                    lambda s: mem.tokens.count(s, "gpt-test")))
     assert block == fresh
-    assert mem._state_block(dict(ledger), "gpt-test") == (block, tokens)
+    assert mem.blocks.state_block(dict(ledger), "gpt-test") == (block, tokens)
     assert len(renders) == 1
     edited = state.Ledger.model_validate(ledger)
     edited.decisions[0].text = "Use Redis Sentinel"
-    assert "Use Redis Sentinel" in mem._state_block(edited.dump(), "gpt-test")[0]
+    assert "Use Redis Sentinel" in mem.blocks.state_block(edited.dump(), "gpt-test")[0]
     assert len(renders) == 2
-    assert mem._state_block(None, "gpt-test") == mem._state_block({}, "gpt-test") == ("", 0)
+    assert mem.blocks.state_block(None, "gpt-test") == mem.blocks.state_block({}, "gpt-test") == ("", 0)
     await store.close()
 
 
@@ -54,11 +54,12 @@ async def _weighed_conversation(monkeypatch: pytest.MonkeyPatch, *, skip: bool) 
     """(per turn: context, original and forwarded tokens, forwarded body; index syncs and searches) for one scripted
     conversation, with the search skipped when the full history wins, or always made."""
     if not skip:
-        monkeypatch.setattr(Memory, "_rewrite_may_win", lambda *args: True)
+        monkeypatch.setattr(rewrite, "rewrite_may_win", lambda *args: True)
     # A cache read at half price: the full history wins while it is short, the rewrite afterwards.
-    async with memory_gateway("memory://", memory={"cost_model": True}, pricing={"cache_read_factor": 0.5}) as g:
-        g.fake.responder = reply_text
-        recall = g.app[HOOK].recall
+    half = {OPENAI_MODEL: {"cache_read": 0.5, "cache_write": 1.25, "cache_ttl_seconds": 300}}
+    async with memory_gateway("memory://", memory={"policy": "cost"}, pricing=half) as g:
+        g.fake.responder, g.fake.prompt_cache = reply_text, True  # reports cache reads, as a provider does
+        recall = g.app[HOOK].caches.recall
         calls: list[str] = []
         real_search, real_sync = recall.search, recall.sync
         monkeypatch.setattr(recall, "search", lambda *a, **k: calls.append("search") or real_search(*a, **k))

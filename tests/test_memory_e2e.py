@@ -126,7 +126,6 @@ async def test_rewritten_prefix_is_byte_stable_between_folds(redis_url: str, dia
     async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
         g.fake.responder = reply_text
         folder = FoldWorker(g.app[STORE], g.app[SETTINGS], ExtractiveSummarizer(COUNTER.count))
-        assert (await g.api("PUT", "cache/state", json={"decisions": ["Use Redis streams for folds"]}))[0] == 200
         msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}] if dialect == "openai" else []
         prefixes: list[tuple[int, bytes]] = []  # (folds done before, prefix bytes) per rewritten request
         folds = 0
@@ -138,6 +137,9 @@ async def test_rewritten_prefix_is_byte_stable_between_folds(redis_url: str, dia
                 headers, message = await anthropic_turn(g, g.anthropic(), "cache", msgs, system=SYSTEM)
                 text = message.content[0].text
             msgs.append({"role": "assistant", "content": text})
+            if i == 0:  # the conversation exists now: its state can be edited
+                edit = {"decisions": ["Use Redis streams for folds"]}
+                assert (await g.api("PUT", "cache/state", json=edit))[0] == 200
             body = g.last().body
             if headers["x-gateway-context"] == "rewritten":
                 prefix = body["messages"][:2] if dialect == "openai" else body["system"]

@@ -190,7 +190,7 @@ async def test_tenants_sharing_a_conversation_id_are_isolated(gw_redis: Gateway,
         await g.settle()
     status, err = await g.api("GET", "shared", key=OTHER_KEY)
     assert status == 404 and err["error"]["type"] == "not_found_error"
-    assert (await g.api("GET", "shared/messages", key=OTHER_KEY))[1]["total"] == 0
+    assert (await g.api("GET", "shared/messages", key=OTHER_KEY))[0] == 404
     b_msgs = [{"role": "user", "content": "Bob here: what did we discuss?"}]
     headers, text = await bob.send(b_msgs)
     assert headers["x-gateway-context"] == "full"

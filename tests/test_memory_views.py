@@ -36,7 +36,7 @@ async def _known(g: Gateway, conv: str, present: bool) -> None:
     """Wait until replica `g` knows (or no longer knows) the conversation."""
     ref = ConvRef(tenant_for(KEY), conv)
     for _ in range(200):
-        if (g.app[HOOK].views.get(ref) is not None) == present:
+        if (g.app[HOOK].caches.views.get(ref) is not None) == present:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"replica still {'does not know' if present else 'knows'} {conv}")
@@ -154,7 +154,7 @@ async def test_a_fold_from_another_process_is_announced_to_the_replicas(redis_ur
     async with _folded_elsewhere(redis_url, announce=True) as (g, chat, msgs, text):
         ref = ConvRef(tenant_for(KEY), "far-fold")
         for _ in range(200):
-            view = g.app[HOOK].views.get(ref)
+            view = g.app[HOOK].caches.views.get(ref)
             if view is not None and view.summary is not None and view.summary.text == text:
                 break
             await asyncio.sleep(0.01)
@@ -204,7 +204,7 @@ async def test_a_fold_elsewhere_brings_the_project_state_to_its_other_conversati
             await elsewhere.close()
         ref_b = ConvRef(tenant_for(KEY), "proj-b", "ledger")
         for _ in range(200):
-            view = g.app[HOOK].views.get(ref_b)
+            view = g.app[HOOK].caches.views.get(ref_b)
             if view is not None and "PostgreSQL 16" in str(view.state):
                 break
             await asyncio.sleep(0.01)
@@ -214,3 +214,40 @@ async def test_a_fold_elsewhere_brings_the_project_state_to_its_other_conversati
         headers, _ = await b.send(b_msgs, **project)
         assert headers["x-gateway-context"] == "rewritten"
         assert "PostgreSQL 16" in b.injected()
+
+
+async def test_a_conversation_whose_folds_fall_behind_is_planned_without_reloading_its_backlog(
+        redis_url: str) -> None:
+    """No worker folds (in_process 0): 600 unfolded messages, past what a view used to keep. The
+    conversation's next requests are planned from what this replica knows, not by reading the
+    whole backlog back from the store on every request, and still store every turn."""
+    async with memory_gateway(redis_url, memory={"worker": {"in_process": 0}}) as g:
+        g.fake.responder = reply_text
+        await g.views_live()
+        chat = Chat(g, "openai", "backlog")
+        msgs: list[dict[str, Any]] = []
+        for i in range(300):
+            msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": user_text(i)})
+        msgs.append({"role": "user", "content": user_text(300)})
+        _, text = await chat.send(msgs)
+        msgs.append({"role": "assistant", "content": text})
+        for i in range(301, 601):
+            msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": user_text(i)})
+        _, text = await chat.send(msgs)  # 601 + 1 messages: the view's tail is past 512
+        msgs.append({"role": "assistant", "content": text})
+        store = g.app[STORE]
+        loads = 0
+        load = store.load
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal loads
+            loads += 1
+            return await load(*args, **kwargs)
+
+        store.load = counted  # type: ignore[method-assign]
+        for i in range(602, 605):
+            msgs.append({"role": "user", "content": user_text(i)})
+            _, text = await chat.send(msgs)
+            msgs.append({"role": "assistant", "content": text})
+        assert loads == 0
+        assert plain(await chat.stored()) == msgs

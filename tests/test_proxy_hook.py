@@ -187,7 +187,8 @@ async def test_on_success_does_not_delay_the_response(fake: FakeUpstream) -> Non
 
 
 async def test_metrics_count_requests_by_context(app_url: tuple[Any, str]) -> None:
-    """/metrics exposes every DESIGN.md metric and counts requests by route, context and status."""
+    """/metrics exposes every DESIGN.md metric and counts requests by route, context, status, provider and
+    model (an unconfigured model name is "other": the label set stays bounded)."""
     app, url = app_url
     c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0, default_headers=CONV)
     await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
@@ -196,7 +197,8 @@ async def test_metrics_count_requests_by_context(app_url: tuple[Any, str]) -> No
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
         text = await r.text()
     assert r.headers["Content-Type"].startswith("text/plain")
-    assert 'gateway_requests_total{context="rewritten",route="/v1/chat/completions",status="200"} 1.0' in text
+    assert ('gateway_requests_total{context="rewritten",model="other",provider="openai",'
+            'route="/v1/chat/completions",status="200"} 1.0') in text
     for name in ("gateway_tokens_original_total", "gateway_tokens_forwarded_total", "gateway_tokens_saved_total",
                  "gateway_summarizer_tokens_total", "gateway_overhead_seconds_bucket",
                  "gateway_upstream_seconds_bucket", "gateway_folds_total", "gateway_fold_seconds_bucket",

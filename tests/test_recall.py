@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from gateway.model import Turn
+from gateway.model import Message
 from gateway.recall import Column, RecallCache
 
 
-def _turns(texts: list[str], start: int = 0) -> list[Turn]:
-    return [Turn(raw={}, role="user" if (start + i) % 2 == 0 else "assistant", text=t, tokens=10,
+def _turns(texts: list[str], start: int = 0) -> list[Message]:
+    return [Message(raw={}, role="user" if (start + i) % 2 == 0 else "assistant", text=t, tokens=10,
                  hash=f"h{start + i}", chain=f"c{start + i}", time="2024-01-01T10:00:00")
             for i, t in enumerate(texts)]
 
@@ -24,7 +24,7 @@ TEXTS = ["my cat is called Luna", "nice name", "we moved to Lisbon", "great city
 async def _cache() -> RecallCache:
     cache = RecallCache()
 
-    async def fetch(a: int, b: int) -> list[Turn]:
+    async def fetch(a: int, b: int) -> list[Message]:
         return _turns(TEXTS[a:b], a)
 
     await cache.sync("k", _turns(TEXTS[4:], 4), 4, fetch)
@@ -58,7 +58,7 @@ async def test_repeated_search_is_remembered_until_the_index_changes(monkeypatch
     cache.search("k", query="cat Luna", before=7, budget_tokens=1000)  # other arguments: searched
     assert len(calls) == 2
 
-    async def fetch(a: int, b: int) -> list[Turn]:
+    async def fetch(a: int, b: int) -> list[Message]:
         raise AssertionError("nothing to fetch")
 
     await cache.sync("k", _turns([*TEXTS[4:], "Luna the cat again"], 4), 4, fetch)
@@ -88,7 +88,7 @@ async def test_cold_catch_up_gives_the_event_loop_back() -> None:
             ticks += 1
             await asyncio.sleep(0)
 
-    async def fetch(a: int, b: int) -> list[Turn]:
+    async def fetch(a: int, b: int) -> list[Message]:
         return _turns(texts[a:b], a)
 
     task = asyncio.create_task(ticker())
@@ -108,7 +108,7 @@ async def test_concurrent_catch_ups_index_each_message_once() -> None:
     texts = _many(300)
     cache = RecallCache()
 
-    async def fetch(a: int, b: int) -> list[Turn]:
+    async def fetch(a: int, b: int) -> list[Message]:
         await asyncio.sleep(0)
         return _turns(texts[a:b], a)
 
@@ -126,7 +126,7 @@ async def test_branch_during_a_catch_up_leaves_a_consistent_index() -> None:
     texts = _many(400)
     cache = RecallCache()
 
-    async def fetch(a: int, b: int) -> list[Turn]:
+    async def fetch(a: int, b: int) -> list[Message]:
         return _turns(texts[a:b], a)
 
     sync = asyncio.create_task(cache.sync("k", _turns(texts[390:], 390), 390, fetch))

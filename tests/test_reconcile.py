@@ -7,7 +7,7 @@ import hashlib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.model import ConversationView, Summary, Turn
+from gateway.model import ConversationView, Message, Summary
 from gateway.reconcile import chain_hashes, reconcile
 
 
@@ -18,7 +18,8 @@ def h(label: str) -> str:
 def view_of(hashes: list[str], *, covers: int = 0, head: int = 0) -> ConversationView:
     """What store.load returns for `hashes` stored, a summary covering `covers`, `head` first messages."""
     chains = chain_hashes(hashes)
-    turns = [Turn(raw={}, role="user", text="", tokens=1, hash=x, chain=c) for x, c in zip(hashes, chains, strict=True)]
+    turns = [Message(raw={}, role="user", text="", tokens=1, hash=x, chain=c)
+             for x, c in zip(hashes, chains, strict=True)]
     summary = Summary("s", covers, 1, 5, chains[covers - 1]) if covers else None
     return ConversationView(
         length=len(hashes), dialect="openai_chat", first_hash=hashes[0] if hashes else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from typing import Any
 
 import orjson
@@ -113,7 +114,9 @@ def test_memory_is_bounded_and_a_hot_set_is_not_thrashed() -> None:
     than fit are parsed whole, and the ones kept stay kept, instead of each evicting the next."""
     now = [0.0]
     body = _body([_message(i, "x" * 100) for i in range(8)])
-    parser = ResendParser(max_bytes=int(len(body) * 2.5), min_bytes=0, clock=lambda: now[0])
+    one = ResendParser(min_bytes=0)
+    one.loads(0, body, "messages")
+    parser = ResendParser(max_bytes=int(one._bytes * 2.5), min_bytes=0, clock=lambda: now[0])
     for _ in range(3):
         for k in range(4):
             assert parser.loads(k, body, "messages") == orjson.loads(body)
@@ -123,6 +126,24 @@ def test_memory_is_bounded_and_a_hot_set_is_not_thrashed() -> None:
     parser.loads(0, body, "messages")
     parser.loads(3, body, "messages")  # 1 has not been used for HOT_SECONDS: it makes room
     assert list(parser._known) == [0, 3]
+
+
+@pytest.mark.parametrize("parts", [1, 40])
+def test_the_bound_counts_the_parsed_objects_not_only_the_bytes(parts: int) -> None:
+    """What the parser is charged for a conversation covers what it really holds: many small content
+    parts parse to objects several times their JSON's size."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": f"p{i}.{j}"} for j in range(parts)]}
+                for i in range(300)]
+    body = orjson.dumps({"model": "m", "messages": messages})
+    parser = ResendParser(min_bytes=0)
+    tracemalloc.start()
+    try:
+        parser.loads("c", body, "messages")
+        holding = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert parser._bytes >= holding > 0
+    assert parser._bytes <= 2 * holding + len(body)
 
 
 _json_value = st.recursive(

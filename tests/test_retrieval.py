@@ -224,3 +224,22 @@ def test_an_index_gives_the_cyclic_gc_next_to_nothing_to_walk() -> None:
     gc.collect()
     assert len(gc.get_objects()) - before < 50
     assert not gc.is_tracked(index._postings)
+
+
+def test_dense_candidates_fuse_with_the_lexical_ranking() -> None:
+    idx = RetrievalIndex()
+    texts = ["I cooked pasta with basil from my balcony.", "Noted.", "The deploy uses Kubernetes rolling updates.",
+             "Noted.", "We chose Postgres for the ledger service."]
+    for i, t in enumerate(texts):
+        idx.add(i, "user" if i % 2 == 0 else "assistant", t, None, 10)
+    question = "what dinner did I make with homegrown ingredients?"  # no word in common with message 0
+    assert idx.search(question, budget_tokens=10) == []
+    # The nearest by embedding: message 0 far ahead, the short "Noted." turns barely above the last.
+    dense = [(0, 0.62), (1, 0.11), (3, 0.11), (2, 0.05), (4, 0.02)]
+    assert [e.index for e in idx.search(question, budget_tokens=10, dense=dense)] == [0]
+    # A lexical match still counts: the fused ranking keeps it when the budget has room for two.
+    hits = idx.search("Postgres ledger dinner", budget_tokens=20, dense=dense)
+    assert [e.index for e in hits] == [0, 4]
+    # Positions excluded (the window) are never returned, dense or not.
+    assert idx.search(question, budget_tokens=10, dense=dense, exclude={0}) != [] and all(
+        e.index != 0 for e in idx.search(question, budget_tokens=10, dense=dense, exclude={0}))

@@ -13,10 +13,11 @@ import orjson
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from gateway import rewrite
 from gateway.config import MemorySettings
-from gateway.context import align_boundary, build_plan, clean_cuts, fill
-from gateway.model import Plan, Summary, Turn
-from gateway.shape import Shape, content_hash, shape_for
+from gateway.dialects import Dialect, content_hash, dialect_named
+from gateway.model import Message, Plan, Summary
+from gateway.rewrite import History, Inputs, align_boundary, clean_cuts, fill
 
 Raw = dict[str, Any]
 DIALECTS = ("openai_chat", "anthropic", "openai_responses")
@@ -161,9 +162,9 @@ def _body(dialect: str, history: list[Raw], breakpoints: int) -> dict[str, Any]:
             "messages": history}
 
 
-def _turns(shape: Shape, raws: list[Raw]) -> list[Turn]:
-    return [Turn(raw=r, role=shape.role(r), text=shape.text(r), tokens=count(shape.text(r)) + 4,
-                 hash=content_hash(shape, r)) for r in raws]
+def _turns(api: Dialect, raws: list[Raw]) -> list[Message]:
+    return [Message(raw=r, role=api.role(r), text=api.text(r), tokens=count(api.text(r)) + 4,
+                 hash=content_hash(api, r)) for r in raws]
 
 
 # ---------------------------------------------------------------- provider validity
@@ -246,12 +247,15 @@ def _stable_prefix(dialect: str, body: dict[str, Any], plan: Plan) -> bytes:
 def cases(draw: st.DrawFn) -> dict[str, Any]:
     dialect = draw(st.sampled_from(DIALECTS))
     raws, nxt = draw(conversations(dialect))
-    shape = shape_for(dialect)
-    cov = align_boundary(shape, raws, 0, draw(st.integers(0, len(raws))))
+    api = dialect_named(dialect)
+    cov = align_boundary(api, raws, 0, draw(st.integers(0, len(raws))))
     mem = MemorySettings.model_validate({
         "message_threshold": draw(st.integers(1, 40)), "token_threshold": draw(st.integers(1, 3000)),
         "keep_recent": draw(st.integers(1, 12)), "keep_initial": draw(st.integers(0, 5)),
         "retrieval_budget_tokens": draw(st.integers(0, 300)),
+        # The layering rules: no prompt-cache cost choice, excerpts up to any share of the history.
+        "cost_model": False, "retrieval_max_share": 1.0, "retrieval_target_share": 0.0,
+        "retrieval_context_share": 1.0, "min_saving_share": draw(st.sampled_from([0.0, 0.2])),
     })
     return {
         "dialect": dialect, "raws": raws, "next": nxt, "cov": cov, "settings": mem,
@@ -264,23 +268,26 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
-def _plan(case: dict[str, Any], raws: list[Raw]) -> tuple[Shape, list[Turn], Plan]:
-    shape = shape_for(case["dialect"])
-    turns = _turns(shape, raws)
+def _plan(case: dict[str, Any], raws: list[Raw]) -> tuple[Dialect, list[Message], Plan]:
+    api = dialect_named(case["dialect"])
+    turns = _turns(api, raws)
     cov = case["cov"]
 
-    def recall(window_start: int, budget: int) -> list[tuple[int, Turn]]:
+    def recall(window_start: int, budget: int) -> list[tuple[int, Message]]:
         return [(p, turns[p]) for p in case["recalled"] if p < len(turns)]
 
     mem: MemorySettings = case["settings"]
     state_block = fill(mem.templates.state, state=case["state"]) if case["state"] else ""
-    plan = build_plan(
-        shape, head=turns[: mem.keep_initial], tail=turns[cov:], tail_start=cov, total_messages=len(turns),
-        total_tokens=sum(t.tokens for t in turns), system_tokens=3, summary=case["summary"],
-        state_block=state_block, state_tokens=count(state_block), settings=mem, context_budget=case["budget"],
-        count=count, recall=recall,
-    )
-    return shape, turns, plan
+    history = History(head=turns[: mem.keep_initial], tail=turns[cov:], tail_start=cov, total_messages=len(turns),
+                      total_tokens=sum(t.tokens for t in turns), summary=case["summary"],
+                      stored_head=turns[: mem.keep_initial])
+    # As memory.py plans: the draft, then its excerpts when it wants them.
+    draft = rewrite.plan(Inputs(dialect=api, history=history, system_tokens=3, state_block=state_block,
+                                state_tokens=count(state_block), settings=mem, context_budget=case["budget"],
+                                count=count))
+    wants = draft.wants
+    outcome = draft.finish(recall(wants.window_start, wants.budget) if wants is not None else ())
+    return api, turns, outcome.plan
 
 
 def _position(raws: list[Raw], raw: Raw) -> int:
@@ -293,10 +300,10 @@ def test_rendered_requests_are_valid_for_their_provider(case: dict[str, Any]) ->
     """Every rendered request keeps tool-call groups whole and the provider's ordering rules, and
     the client's body is never mutated."""
     dialect, raws = case["dialect"], case["raws"]
-    shape, _, plan = _plan(case, raws)
+    api, _, plan = _plan(case, raws)
     body = _body(dialect, raws, case["breakpoints"])
     before = copy.deepcopy(body)
-    out = shape.render(body, plan, cache_control=case["cache_control"])
+    out = api.render(body, plan, cache_control=case["cache_control"])
     event(f"{dialect} {plan.kind}{' urgent' if plan.urgent_fold else ''}"
           f"{' excerpts' if plan.excerpts_block else ''}{' head' if plan.head else ''}")
     assert body == before
@@ -311,23 +318,24 @@ def test_window_starts_at_a_turn_start_and_keeps_the_newest_turn(case: dict[str,
     """A rewritten window starts at a clean turn start and always ends with the whole newest turn;
     the head is an unbroken prefix; a plan over the budget is the newest turn alone."""
     raws = case["raws"]
-    shape, _, plan = _plan(case, raws)
-    clean = clean_cuts(shape, raws)
-    newest = max(i for i in range(len(raws)) if clean[i] and shape.is_turn_start(raws[i]))
+    api, _, plan = _plan(case, raws)
+    clean = clean_cuts(api, raws)
+    newest = max(i for i in range(len(raws)) if clean[i] and api.is_turn_start(raws[i]))
     if plan.kind == "full":
-        assert plan.tokens_forwarded == plan.tokens_original and plan.window == raws
+        # The client's body goes as sent; the plan holds the part of it that is at hand.
+        assert plan.tokens_forwarded == plan.tokens_original
+        assert plan.window == raws[len(raws) - len(plan.window):]
         return
     start = _position(raws, plan.window[0])
-    assert shape.is_turn_start(raws[start]) and clean[start]
+    assert api.is_turn_start(raws[start]) and clean[start]
     assert plan.window == raws[start:] and start <= newest
     assert all(a is b for a, b in zip(plan.head, raws, strict=False))
     assert len(plan.head) <= case["settings"].keep_initial and clean[len(plan.head)]
     if plan.tokens_forwarded > case["budget"]:
         assert start == newest and not plan.head and not plan.summary_block and not plan.state_block
-    elif case["settings"].keep_initial >= case["cov"]:
-        # "full" is possible only with the whole conversation at hand (else a delta client could
-        # not be served): then a rewrite never costs more than the original.
-        assert plan.tokens_forwarded <= plan.tokens_original
+    else:
+        # A whole-history client's body can always go as sent: a rewrite never costs more.
+        assert plan.tokens_forwarded < plan.tokens_original
     if plan.urgent_fold or start > max(case["cov"], len(plan.head)):
         expected = start - max(case["cov"] if plan.summary_block else 0, len(plan.head))
         assert (plan.omitted_marker != "") == (expected > 0)
@@ -357,13 +365,13 @@ def test_stable_prefix_is_byte_identical_on_the_next_turn(case: dict[str, Any]) 
     conversation grows by one turn: the provider's prompt cache stays warm."""
     dialect = case["dialect"]
     _, _, first = _plan(case, case["raws"])
-    shape, _, second = _plan(case, case["next"])
+    api, _, second = _plan(case, case["next"])
     if first.kind != "rewritten" or second.kind != "rewritten":
         return
     if (first.state_block, first.summary_block) != (second.state_block, second.summary_block):
         return  # the hard budget dropped a layer in one of them: a different prefix by design
-    a = shape.render(_body(dialect, case["raws"], 0), first, cache_control=case["cache_control"])
-    b = shape.render(_body(dialect, case["next"], 0), second, cache_control=case["cache_control"])
+    a = api.render(_body(dialect, case["raws"], 0), first, cache_control=case["cache_control"])
+    b = api.render(_body(dialect, case["next"], 0), second, cache_control=case["cache_control"])
     event(f"compared {dialect} layers={bool(first.state_block or first.summary_block)}")
     assert _stable_prefix(dialect, a, first) == _stable_prefix(dialect, b, second)
 
@@ -373,7 +381,7 @@ def test_stable_prefix_is_byte_identical_on_the_next_turn(case: dict[str, Any]) 
 def test_rebuilt_reply_and_client_echo_hash_the_same(text: str, args: dict[str, Any], call: str) -> None:
     """The assistant message the gateway rebuilds from a response and the one each SDK sends back
     have the same canonical form, whatever optional fields and content shapes they use."""
-    oa = shape_for("openai_chat")
+    oa = dialect_named("openai_chat")
     dumped = orjson.dumps(args).decode()
     spaced = orjson.dumps(dict(reversed(list(args.items())))).decode().replace(",", ", ").replace(":", ": ")
     fn = {"name": "f", "arguments": dumped}
@@ -388,14 +396,14 @@ def test_rebuilt_reply_and_client_echo_hash_the_same(text: str, args: dict[str, 
     for a, b in variants:
         assert oa.canonical(a) == oa.canonical(b)
         assert content_hash(oa, a) == content_hash(oa, b)
-    an = shape_for("anthropic")
+    an = dialect_named("anthropic")
     use = {"type": "tool_use", "id": call, "name": "f", "input": args}
     assert an.canonical({"role": "assistant", "content": text}) == an.canonical(
         {"role": "assistant", "content": [{"type": "text", "text": text, "citations": None}]})
     assert an.canonical({"role": "assistant", "content": [use]}) == an.canonical(
         {"role": "assistant", "content": [{**use, "input": dict(reversed(list(args.items()))),
                                            "cache_control": {"type": "ephemeral"}}]})
-    rs = shape_for("openai_responses")
+    rs = dialect_named("openai_responses")
     assert rs.canonical({"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
                          "content": [{"type": "output_text", "text": text, "annotations": []}]}) == rs.canonical(
         {"role": "assistant", "content": text})

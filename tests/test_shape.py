@@ -1,4 +1,4 @@
-"""shape.py: history extraction, text, canonical hashing, tool links and rendering per dialect."""
+"""dialect.py: history extraction, text, canonical hashing, tool links and rendering per dialect."""
 
 from __future__ import annotations
 
@@ -8,19 +8,13 @@ from typing import Any
 
 import pytest
 
+from gateway.dialects import ANTHROPIC, OPENAI_CHAT, OPENAI_RESPONSES, content_hash, dialect_named
+from gateway.dialects.anthropic import CONTINUE_TEXT
 from gateway.model import Plan
-from gateway.shape import (
-    CONTINUE_TEXT,
-    AnthropicShape,
-    OpenAIChatShape,
-    ResponsesShape,
-    content_hash,
-    shape_for,
-)
 
-oa = OpenAIChatShape()
-an = AnthropicShape()
-rs = ResponsesShape()
+oa = OPENAI_CHAT
+an = ANTHROPIC
+rs = OPENAI_RESPONSES
 
 
 def plan(**kw: Any) -> Plan:
@@ -33,12 +27,12 @@ def plan(**kw: Any) -> Plan:
 # ---------------------------------------------------------------- lookup and body fields
 
 
-def test_shape_for_knows_the_three_dialects() -> None:
-    """shape_for returns the shape whose `dialect` is the name asked for, and refuses unknown ones."""
+def test_dialect_named_knows_the_three_dialects() -> None:
+    """dialect_named returns the dialect whose `name` is the name asked for, and refuses unknown ones."""
     for name in ("openai_chat", "openai_responses", "anthropic"):
-        assert shape_for(name).dialect == name
+        assert dialect_named(name).name == name
     with pytest.raises(KeyError):
-        shape_for("gemini")
+        dialect_named("gemini")
 
 
 def test_openai_history_leaves_out_the_leading_system_prompt() -> None:

@@ -9,15 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import state
-from gateway.model import Turn
+from gateway.model import Message
 
 
 def words(text: str) -> int:
     return len(text.split())
 
 
-def turn(role: str, text: str, time: str | None = None) -> Turn:
-    return Turn(raw={"role": role, "content": text}, role=role, text=text, tokens=words(text), hash="00",
+def turn(role: str, text: str, time: str | None = None) -> Message:
+    return Message(raw={"role": role, "content": text}, role=role, text=text, tokens=words(text), hash="00",
                 time=time)
 
 
@@ -200,3 +200,67 @@ def test_pattern_needs_guards_the_search() -> None:
     assert p.search("listen on port 8443") and not p.search("no value here")
     never = state.Pattern(r"\bport\s+\d+", needs=lambda text: False)
     assert not never.search("listen on port 8443")
+
+
+def test_a_decision_changed_twice_shows_the_latest_with_its_history() -> None:
+    """SQLite, then PostgreSQL 15, then PostgreSQL 16: state shows the last one, since when, and
+    what it replaced (the earlier two stay in the ledger, superseded)."""
+    ledger = state.extract(state.Ledger(), [
+        turn("user", "We decided to use SQLite for the orders database.", time="2024-01-10T09:00:00")], 0)
+    ledger = state.extract(ledger, [
+        turn("user", "We decided to switch from SQLite to PostgreSQL 15 for the orders database.",
+             time="2024-02-01T09:00:00")], 12)
+    ledger = state.extract(ledger, [
+        turn("user", "We decided to upgrade the orders database from PostgreSQL 15 to PostgreSQL 16.",
+             time="2024-03-02T09:00:00")], 40)
+    (latest,) = ledger.active("decisions")
+    assert "PostgreSQL 16" in latest.text and len(ledger.decisions) == 3
+    rendered = state.render(ledger, 500, words)
+    line = next(ln for ln in rendered.splitlines() if "PostgreSQL 16" in ln)
+    assert "since 2024-03-02" in line
+    assert line.index("PostgreSQL 15") < line.index("SQLite")  # newest replaced first
+    assert rendered.count("- ") == 1  # the superseded decisions are not items of their own
+
+
+@pytest.mark.parametrize("text", [
+    "hmm, so how do I ensure the query always returns a list?",
+    "I've been staring at this code for hours and it must be something obvious.",
+    "Can we always use the same connection pool for every worker?",
+    "Should I never commit the .env file?",
+    "Hi! Thanks, we decided nothing yet.",
+    "This is so frustrating, the build must have broken again.",
+    "What is the goal is the question I keep asking myself",
+    "I'm getting a 'Cannot set headers after they are sent' error that must come from authController.js.",
+    "I'm not sure we decided to always use UTC.",
+])
+def test_questions_greetings_and_complaints_are_never_state(text: str) -> None:
+    """Sentences that ask, greet or complain hold the words of a constraint or a decision, but state
+    nothing: no state item comes of them."""
+    ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
+    assert list(ledger.all_items()) == []
+
+
+def test_statements_next_to_questions_are_still_state() -> None:
+    """The filter is per sentence: a question does not hide the rule stated beside it."""
+    ledger = state.extract(state.Ledger(), [turn(
+        "user", "Why does it time out? We must keep every request under 2 seconds. Don't log tokens, never.")], 0)
+    texts = [i.text for i in ledger.active("constraints")]
+    assert "We must keep every request under 2 seconds." in texts
+    assert not any("?" in t for t in texts)
+
+
+def test_near_duplicates_merge_into_one_item() -> None:
+    """A restatement adds nothing; an extended restatement takes the shorter one's place."""
+    ledger = state.extract(state.Ledger(), [turn("user", "We must keep all the API responses under 200 ms.")], 0)
+    ledger = state.extract(ledger, [turn("user", "We must keep API responses under 200 ms.")], 3)
+    assert len(ledger.active("constraints")) == 1
+    ledger = state.extract(ledger, [turn("user", "We must keep all the API responses under 200 ms, even "
+                                                 "during nightly batch imports.")], 7)
+    (item,) = ledger.active("constraints")
+    assert "nightly batch imports" in item.text and not item.was
+
+
+def test_what_the_user_never_did_is_not_a_rule() -> None:
+    """"I've never configured X" is the user's history (a fact), not a constraint they set."""
+    ledger = state.extract(state.Ledger(), [turn("user", "I've never configured environment variables in Render.")], 0)
+    assert ledger.active("constraints") == []

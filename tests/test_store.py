@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,88 +13,24 @@ from hypothesis import strategies as st
 
 from gateway.config import StoreSettings
 from gateway.keys import ConvRef
-from gateway.model import Summary, Turn
+from gateway.model import Message, Summary
 from gateway.reconcile import chain_hashes
 from gateway.store import Store, StoreUnavailable, _cluster_nodes, open_store
 from tests.conftest import free_port
 
 
-def turn(label: str, role: str = "user", tokens: int = 3) -> Turn:
+def turn(label: str, role: str = "user", tokens: int = 3) -> Message:
     import hashlib
 
-    return Turn(raw={"role": role, "content": label}, role=role, text=label, tokens=tokens,
+    return Message(raw={"role": role, "content": label}, role=role, text=label, tokens=tokens,
                 hash=hashlib.blake2b(label.encode(), digest_size=16).hexdigest())
 
 
-def turns(prefix: str, n: int) -> list[Turn]:
+def turns(prefix: str, n: int) -> list[Message]:
     return [turn(f"{prefix}{i}", "user" if i % 2 == 0 else "assistant") for i in range(n)]
 
 
 REF = ConvRef("tenant-1", "conv{1}:a")
-
-
-# ---- Redis Cluster on loopback ----------------------------------------------------------------
-
-
-def _cluster_port() -> int:
-    # The cluster bus listens on port + 10000: both must be free.
-    while True:
-        port = free_port()
-        if port + 10000 < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
-
-
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[str]:
-    """A three-primary Redis Cluster on loopback, as a `redis+cluster://` URL."""
-    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
-    if binary is None or cli is None:
-        pytest.fail("redis-server / redis-cli not installed: `apt-get install -y redis-server` (.ci/run does this)")
-    workdir = tempfile.mkdtemp(prefix="gw-cluster-")
-    ports = [_cluster_port() for _ in range(3)]
-    procs = [
-        subprocess.Popen(
-            [binary, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", f"{workdir}/nodes-{p}.conf", "--save", "", "--appendonly", "no",
-             "--dir", workdir, "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for p in ports
-    ]
-    try:
-        for p in ports:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", p), timeout=0.2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        pytest.fail(f"cluster node on {p} did not start")
-                    time.sleep(0.05)
-        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-        deadline = time.monotonic() + 20
-        while True:
-            infos = [subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True).stdout
-                     for p in ports]
-            if all("cluster_state:ok" in i for i in infos):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail("cluster did not reach cluster_state:ok")
-            time.sleep(0.1)
-        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # ---- the store under test ---------------------------------------------------------------------
@@ -149,7 +80,7 @@ async def ttl_store(ttl_store_url: str) -> AsyncIterator[Store]:
     await s.close()
 
 
-async def fill(store: Store, ref: ConvRef, items: list[Turn]) -> str:
+async def fill(store: Store, ref: ConvRef, items: list[Message]) -> str:
     res = await store.append(ref, items, base_length=0, base_chain="", dialect="openai_chat")
     assert res.ok and res.appended == len(items)
     return res.chain
@@ -629,6 +560,33 @@ async def test_commands_are_packed_by_hiredis_into_the_same_bytes(redis_url: str
         await store.close()
 
 
+async def test_memory_lua_has_redis_sha1hex_as_redis_does(redis_url: str) -> None:
+    """memory://'s Lua gets `redis.sha1hex` (added through fakeredis's private runtime), equal to Redis's."""
+    script = "return redis.sha1hex(ARGV[1])"
+    memory = await open_store(StoreSettings(url="memory://"))
+    real = await open_store(StoreSettings(url=redis_url))
+    try:
+        for text in ("", "abc", "caf\u00e9 " * 50):
+            assert await memory.redis.eval(script, 0, text) == await real.redis.eval(script, 0, text)
+    finally:
+        await memory.close()
+        await real.close()
+
+
+async def test_the_connection_limit_is_the_stores_not_the_librarys(redis_url: str) -> None:
+    """The Redis pool holds store.pool_size connections and waits store.pool_wait_seconds for one,
+    whatever redis-py's defaults; the URL may say otherwise."""
+    store = await open_store(StoreSettings(url=redis_url, pool_size=7, pool_wait_seconds=3))
+    limited = await open_store(StoreSettings(url=redis_url + "?max_connections=5"))
+    try:
+        pool = store.redis.connection_pool
+        assert (pool.max_connections, pool.timeout) == (7, 3)
+        assert limited.redis.connection_pool.max_connections == 5
+    finally:
+        await store.close()
+        await limited.close()
+
+
 def test_cluster_url_parsing() -> None:
     """redis+cluster:// URLs give every startup node, and credentials when present."""
     nodes, creds = _cluster_nodes("redis+cluster://u:pw@h1:7000,h2:7001")
@@ -663,7 +621,7 @@ def test_random_operations_match_a_model(backend: str, redis_server: str, ops: l
     asyncio.run(_run_model(url, ops))
 
 
-def _model_append(model: list[Turn], base: int, batch: list[Turn]) -> int:
+def _model_append(model: list[Message], base: int, batch: list[Message]) -> int:
     """What an append of `batch` on `base` does to the model; how many turns it adds."""
     skip = 0  # already stored right after the base
     while skip < len(batch) and base + skip < len(model) and model[base + skip].hash == batch[skip].hash:
@@ -678,13 +636,13 @@ def _model_append(model: list[Turn], base: int, batch: list[Turn]) -> int:
 async def _run_model(url: str, ops: list[tuple[str, int, Any]]) -> None:
     store = await open_store(StoreSettings(url=url))
     ref = ConvRef("model", uuid.uuid4().hex)
-    model: list[Turn] = []
+    model: list[Message] = []
     summary: tuple[int, int] | None = None  # (covers, version)
     version = 0
-    last_batch: tuple[int, list[Turn]] | None = None
+    last_batch: tuple[int, list[Message]] | None = None
     serial = 0
 
-    def fresh(k: int) -> list[Turn]:
+    def fresh(k: int) -> list[Message]:
         nonlocal serial
         serial += 1
         return [turn(f"t{serial}.{i}", tokens=i + 1) for i in range(k)]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gateway import fold, state
 from gateway.config import Settings, parse_settings
-from gateway.model import Turn
+from gateway.model import Message
 from gateway.summarizer import (
     ExtractiveSummarizer,
     LlmSummarizer,
@@ -45,8 +45,8 @@ def make_count() -> Callable[[str], int]:
 count = make_count()
 
 
-def turn(role: str, text: str) -> Turn:
-    return Turn(raw={"role": role, "content": text}, role=role, text=text, tokens=count(text), hash="ab")
+def turn(role: str, text: str) -> Message:
+    return Message(raw={"role": role, "content": text}, role=role, text=text, tokens=count(text), hash="ab")
 
 
 # -- a session with planted durable facts and 100+ turns of ordinary work ------------------------

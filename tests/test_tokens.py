@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,24 @@ def test_block_of_counted_texts_encodes_only_what_is_new(monkeypatch: pytest.Mon
     calls.clear()
     assert counter.count(block) == len(real(block))  # cached whole
     assert calls == []
+
+
+def test_counting_from_two_threads_at_the_cache_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folds count in a worker thread while requests count on the loop: eviction never raises."""
+    monkeypatch.setattr(tokens, "_COUNT_CACHE_SIZE", 8)
+    counter = tokens.TokenCounter(Settings().models)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for i in range(20_000):
+                counter.count(f"text {seed} {i}")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

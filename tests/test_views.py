@@ -5,18 +5,18 @@ from __future__ import annotations
 import hashlib
 
 from gateway.keys import ConvRef
-from gateway.model import ConversationView, Summary, Turn
+from gateway.model import ConversationView, Message, Summary
 from gateway.reconcile import chain_hashes
 from gateway.views import KnownViews, advance, rebase, with_summary
 
 
-def _turns(labels: list[str], prev: str = "") -> list[Turn]:
+def _turns(labels: list[str], prev: str = "") -> list[Message]:
     hashes = [hashlib.sha1(x.encode()).hexdigest() for x in labels]
-    return [Turn(raw={"role": "user", "content": x}, role="user", text=x, tokens=2, hash=h, chain=c)
+    return [Message(raw={"role": "user", "content": x}, role="user", text=x, tokens=2, hash=h, chain=c)
             for x, h, c in zip(labels, hashes, chain_hashes(hashes, prev), strict=True)]
 
 
-def _view(turns: list[Turn], *, covers: int = 0, summary_version: int = 0, stats: dict[str, int] | None = None,
+def _view(turns: list[Message], *, covers: int = 0, summary_version: int = 0, stats: dict[str, int] | None = None,
           head: int = 0) -> ConversationView:
     summary = Summary("s", covers, summary_version, 1, turns[covers - 1].chain) if covers else None
     return ConversationView(length=len(turns), dialect="openai_chat", first_hash=turns[0].hash if turns else None,

@@ -11,20 +11,20 @@ from test_summarizer import PLANTED, FakeUpstream, count, llm_settings, planted_
 
 from gateway import fold, state, worker
 from gateway.config import Settings, parse_settings
+from gateway.dialects import content_hash, dialect_named
 from gateway.keys import ConvRef
 from gateway.metrics import Metrics
-from gateway.model import Turn
-from gateway.shape import content_hash, shape_for
+from gateway.model import Message
 from gateway.store import Store, open_store
 from gateway.summarizer import build_summarizer
 
-SHAPE = shape_for("openai_chat")
+SHAPE = dialect_named("openai_chat")
 REF = ConvRef("tenant-a", "conv-1")
 
 
-def make_turn(role: str, text: str) -> Turn:
+def make_turn(role: str, text: str) -> Message:
     raw = {"role": role, "content": text}
-    return Turn(raw=raw, role=role, text=text, tokens=count(text), hash=content_hash(SHAPE, raw))
+    return Message(raw=raw, role=role, text=text, tokens=count(text), hash=content_hash(SHAPE, raw))
 
 
 async def add(store: Store, ref: ConvRef, messages: list[tuple[str, str]]) -> int:
@@ -109,6 +109,26 @@ async def test_turns_arriving_during_a_fold_stay_in_the_window(store: Store, ups
     view = await store.load(REF)
     assert view.summary is not None and view.summary.covers == 10
     assert view.length == 26 and [t.text for t in view.tail] == [f"message {i} about topic {i}" for i in range(10, 26)]
+    await summarizer.close()
+
+
+async def test_turns_that_call_for_another_fold_during_a_fold_get_it(store: Store, upstream: FakeUpstream) -> None:
+    """Turns arriving during a fold that make the next fold due (their requests could not queue it: one
+    job per conversation) are folded once the first fold finishes, without another request."""
+    settings = llm_settings(upstream.url)
+    summarizer = build_summarizer(settings, count)
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    upstream.gate = asyncio.Event()
+    task = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, name="w1").run(burst=True))
+    await asyncio.wait_for(upstream.entered.wait(), 5)
+    await add(store, REF, numbered(20, 20))
+    assert not await store.enqueue_fold(REF)  # what the request path would do: refused, a job is queued
+    upstream.gate.set()
+    await asyncio.wait_for(task, 10)
+    view = await store.load(REF)
+    assert view.summary is not None and view.summary.covers == 30 and view.summary.version == 2
+    assert await worker.queued(store) == 0
     await summarizer.close()
 
 
@@ -230,7 +250,7 @@ async def test_project_state_shared_and_updated_at_folds(store: Store) -> None:
 async def test_extractive_120_turns_keeps_planted_facts(store: Store) -> None:
     """Through 120 turns and many folds the 8 planted facts survive in the summary, which never exceeds its cap."""
     settings = Settings()
-    cap = settings.memory.max_summary_tokens
+    cap = settings.memory.max_summary_tokens + settings.memory.timeline_tokens  # the timeline has its own budget
     summarizer = build_summarizer(settings, count)
     w = worker.FoldWorker(store, settings, summarizer, name="w1")
     messages = planted_session(120)
@@ -321,3 +341,38 @@ def test_ledger_cache_validates_only_json_it_has_not_seen() -> None:
     cache.remember("k", data, first)
     assert cache.load("k", data) is first
     assert cache.load("k", None) == state.Ledger()
+
+
+async def _consumers(store: Store) -> dict[str, int]:
+    """The fold group's consumers and how many jobs are pending on each."""
+    found: Any = await store.redis.xinfo_consumers(store.keys.fold_stream(), "fold-workers")
+    return {c["name"].decode(): int(c["pending"]) for c in found}
+
+
+async def test_stopped_workers_leave_the_consumer_group(store: Store) -> None:
+    """Workers that stop with nothing pending remove their consumer from the fold group: restarts
+    do not pile up dead consumers."""
+    settings = Settings()
+    await add(store, REF, numbered(0, 20))
+    await store.enqueue_fold(REF)
+    pool = worker.start_workers(store, settings, build_summarizer(settings, count), 2)
+    await worker.settle(store, 10)  # a job was delivered: its worker is a consumer of the group
+    consumers = await _consumers(store)
+    assert consumers and set(consumers.values()) == {0}
+    await pool.stop()
+    assert await _consumers(store) == {}
+
+
+async def test_prune_removes_idle_consumers_with_nothing_pending(store: Store) -> None:
+    """Consumers idle long with no job pending are removed; one holding a job is kept (its job
+    would become unclaimable), as are the recently active."""
+    jobs = store.folds
+    await jobs.ensure_group()
+    await store.enqueue_fold(REF)
+    assert await jobs.next("holder", None) is not None  # one job pending on "holder"
+    await store.redis.xgroup_createconsumer(store.keys.fold_stream(), "fold-workers", "idle")
+    assert await jobs.prune(3_600_000) == 0  # nobody has been idle an hour
+    assert await jobs.prune(0) == 1
+    assert await _consumers(store) == {"holder": 1}
+    assert not await jobs.retire("holder")
+    assert await _consumers(store) == {"holder": 1}

@@ -1,8 +1,8 @@
-"""Provider wire formats. `dialect_for_path` picks the one a request speaks.
+"""The provider dialects, one module each, and the registry of them (one line per dialect).
 
-The path decides for the known routes; for any other path the `anthropic-version` header (sent by
-every Anthropic SDK) tells an Anthropic caller from an OpenAI one, so errors come back in a shape
-the caller's SDK parses.
+`dialect_for_path` picks the one a request speaks: the path decides for the known routes; for any
+other path the `anthropic-version` header (sent by every Anthropic SDK) tells an Anthropic caller
+from an OpenAI one, so errors come back in a shape the caller's SDK parses.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from gateway.dialects.anthropic import Anthropic
 from gateway.dialects.base import Accumulator, Dialect, SSEParser
+from gateway.dialects.canonical import content_hash
 from gateway.dialects.openai_chat import OpenAIChat
 from gateway.dialects.openai_responses import OpenAIResponses
 
@@ -19,6 +20,17 @@ OPENAI_RESPONSES = OpenAIResponses()
 ANTHROPIC = Anthropic()
 
 DIALECTS: dict[str, Dialect] = {d.name: d for d in (OPENAI_CHAT, OPENAI_RESPONSES, ANTHROPIC)}
+
+
+def dialect_named(name: str) -> Dialect:
+    """The dialect called `name` (as stored with a conversation); KeyError for an unknown one."""
+    return DIALECTS[name]
+
+
+def dialect_for_upstream(name: str) -> Dialect:
+    """The dialect the gateway itself speaks to `upstreams.<name>` (the summarizer's calls, the key's
+    header): Anthropic for `anthropic`, every other upstream is OpenAI-compatible."""
+    return ANTHROPIC if name == ANTHROPIC.upstream else OPENAI_CHAT
 
 
 def dialect_for_path(path: str, headers: Mapping[str, str]) -> Dialect:
@@ -33,5 +45,6 @@ def dialect_for_path(path: str, headers: Mapping[str, str]) -> Dialect:
 
 __all__ = [
     "ANTHROPIC", "DIALECTS", "OPENAI_CHAT", "OPENAI_RESPONSES",
-    "Accumulator", "Dialect", "SSEParser", "dialect_for_path",
+    "Accumulator", "Dialect", "SSEParser", "content_hash", "dialect_for_path", "dialect_for_upstream",
+    "dialect_named",
 ]

@@ -13,7 +13,22 @@ from typing import Any
 import orjson
 
 from gateway.dialects.base import SSEParser, UpstreamName, as_int
-from gateway.model import DialectName, Usage
+from gateway.dialects.canonical import (
+    GS,
+    RS,
+    US,
+    flat_text,
+    int_field,
+    join,
+    last_turn_start,
+    model_of,
+    norm_args,
+    other,
+    placeholder,
+    string,
+    text_block,
+)
+from gateway.model import DialectName, Plan, Usage
 
 
 def anthropic_usage(usage: Mapping[str, Any] | None) -> Usage:
@@ -98,10 +113,119 @@ class MessagesAccumulator:
         return [{"role": "assistant", "content": content}], anthropic_usage(self._usage)
 
 
+# ---------------------------------------------------------------- messages
+
+
+# Anthropic needs a user message first and alternating roles; when a window has to start at an
+# assistant message and there is no omitted-marker to carry, this is the user text put before it.
+CONTINUE_TEXT = "[the conversation continues from the summary above]"
+
+
+def _an_parts(content: Any, parts: list[str]) -> None:
+    if isinstance(content, str):
+        if content:
+            parts.append("t:" + content)
+        return
+    if not isinstance(content, list):
+        return
+    for b in content:
+        if not isinstance(b, dict):
+            continue
+        kind = b.get("type")
+        if kind == "text":
+            t = string(b.get("text"))
+            if t:
+                parts.append("t:" + t)
+        elif kind == "tool_use":
+            parts.append("c:" + US.join((string(b.get("id")), string(b.get("name")), norm_args(b.get("input")))))
+        elif kind == "tool_result":
+            nested: list[str] = []
+            _an_parts(b.get("content"), nested)
+            error = US + "e" if b.get("is_error") else ""
+            parts.append("r:" + string(b.get("tool_use_id")) + US + GS.join(nested) + error)
+        elif kind in ("thinking", "redacted_thinking"):
+            # Left out: some clients strip earlier thinking blocks before sending history back, and
+            # the API ignores them outside the current tool loop anyway.
+            continue
+        else:
+            parts.append(other(b))
+
+
+def _an_part(b: dict[str, Any]) -> str | list[str]:
+    kind = b.get("type")
+    if kind == "text":
+        return string(b.get("text"))
+    if kind == "tool_use":
+        return f"{string(b.get('name'))}({norm_args(b.get('input'))})"
+    if kind == "tool_result":
+        return _an_text(b.get("content"))
+    if kind == "image":
+        return "[image]"
+    if kind == "document":
+        return placeholder("document", b.get("title"))
+    return ""
+
+
+def _an_text(content: Any) -> list[str]:
+    return flat_text(content, _an_part)
+
+
+def _blocks(content: Any) -> list[Any]:
+    if isinstance(content, str):
+        return [text_block(content)] if content else []
+    return list(content) if isinstance(content, list) else []
+
+
+def _is_result(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("type") == "tool_result"
+
+
+def _with_notes(msg: dict[str, Any], notes: list[dict[str, Any]], *, first: bool) -> dict[str, Any]:
+    """A copy of user message `msg` with text blocks added: before its own content but after its
+    tool_result blocks (`first`), or at its end. Tool results must open a user message."""
+    blocks = _blocks(msg.get("content"))
+    if first:
+        k = max((i + 1 for i, b in enumerate(blocks) if _is_result(b)), default=0)
+        blocks = blocks[:k] + notes + blocks[k:]
+    else:
+        blocks = blocks + notes
+    new = dict(msg)
+    new["content"] = blocks
+    return new
+
+
+def _merge_users(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    blocks = _blocks(a.get("content")) + _blocks(b.get("content"))
+    # Stable partition: tool results first, as the API requires (only `a` can have any here).
+    blocks = [x for x in blocks if _is_result(x)] + [x for x in blocks if not _is_result(x)]
+    new = dict(a)
+    new["content"] = blocks
+    return new
+
+
+def _count_breakpoints(value: Any) -> int:
+    if isinstance(value, list):
+        return sum(_count_breakpoints(v) for v in value)
+    if isinstance(value, dict):
+        n = 1 if value.get("cache_control") is not None else 0
+        content = value.get("content")
+        if isinstance(content, list):
+            n += _count_breakpoints(content)
+        return n
+    return 0
+
+
 class Anthropic:
+    """`/v1/messages`: `system` apart, `messages` alternate user/assistant; tool results are
+    `tool_result` blocks at the start of the next user message."""
+
     name: DialectName = "anthropic"
     upstream: UpstreamName = "anthropic"
     history_field = "messages"
+    base_has_v1 = False  # `upstreams.anthropic.base_url` is what the Anthropic SDK is given: no /v1
+
+    def auth_headers(self, api_key: str) -> dict[str, str]:
+        return {"x-api-key": api_key}
 
     def is_stream(self, body: Mapping[str, Any]) -> bool:
         return body.get("stream") is True
@@ -120,3 +244,140 @@ class Anthropic:
     def parse_response(self, body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], Usage]:
         content = [request_block(b) for b in body.get("content") or () if isinstance(b, dict)]
         return [{"role": "assistant", "content": content}], anthropic_usage(body.get("usage"))
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def history(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return None
+        return messages
+
+    def system_text(self, body: dict[str, Any]) -> str:
+        system = body.get("system")
+        if isinstance(system, str):
+            return system
+        return "\n\n".join(_an_text(system)) if isinstance(system, list) else ""
+
+    def role(self, raw: dict[str, Any]) -> str:
+        return string(raw.get("role"))
+
+    def text(self, raw: dict[str, Any]) -> str:
+        return "\n".join(_an_text(raw.get("content")))
+
+    def canonical(self, raw: dict[str, Any]) -> str:
+        content = raw.get("content")
+        role = raw.get("role")
+        if type(content) is str and len(raw) == 2 and type(role) is str:
+            return role + RS + "t:" + content if content else role
+        if type(content) is list and len(content) == 1 and len(raw) == 2 and type(role) is str:
+            block = content[0]
+            if type(block) is dict and block.get("type") == "text" and len(block) == 2 and type(block["text"]) is str:
+                return role + RS + "t:" + block["text"] if block["text"] else role
+        parts: list[str] = []
+        _an_parts(content, parts)
+        return join(string(raw.get("role")), parts)
+
+    def tool_calls(self, raw: dict[str, Any]) -> tuple[str, ...]:
+        content = raw.get("content")
+        if type(content) is not list or raw.get("role") != "assistant":
+            return ()
+        return tuple(b["id"] for b in content
+                     if isinstance(b, dict) and b.get("type") == "tool_use" and isinstance(b.get("id"), str))
+
+    def tool_results(self, raw: dict[str, Any]) -> tuple[str, ...]:
+        content = raw.get("content")
+        if type(content) is not list or raw.get("role") != "user":
+            return ()
+        return tuple(b["tool_use_id"] for b in content
+                     if _is_result(b) and isinstance(b.get("tool_use_id"), str))
+
+    def binds_next(self, raw: dict[str, Any]) -> bool:
+        return False
+
+    def is_turn_start(self, raw: dict[str, Any]) -> bool:
+        if raw.get("role") != "user":
+            return False
+        content = raw.get("content")
+        if isinstance(content, str):
+            return True
+        return isinstance(content, list) and any(not _is_result(b) for b in content)
+
+    def render(self, body: dict[str, Any], plan: Plan, *, cache_control: bool) -> dict[str, Any]:
+        new = dict(body)
+        new["messages"] = self._messages(plan)
+        injected = [text_block(b) for b in (plan.state_block, plan.summary_block) if b]
+        if injected:
+            system = body.get("system")
+            blocks: list[Any]
+            if isinstance(system, str):
+                blocks = [text_block(system)] if system else []  # an empty text block is rejected
+            elif isinstance(system, list):
+                blocks = list(system)
+            else:
+                blocks = []
+            if cache_control:
+                used = (_count_breakpoints(body.get("tools")) + _count_breakpoints(blocks)
+                        + _count_breakpoints(new["messages"]))
+                if used < 4:
+                    # After the summary: the client's system, state and summary are one cached prefix.
+                    injected[-1]["cache_control"] = {"type": "ephemeral"}
+            new["system"] = blocks + injected
+        return new
+
+    def _messages(self, plan: Plan) -> list[dict[str, Any]]:
+        head, window = plan.head, plan.window
+        notes_at: dict[int, list[dict[str, Any]]] = {}
+        if plan.omitted_marker:
+            notes_at[0] = [text_block(plan.omitted_marker)]
+        if plan.excerpts_block:
+            at = last_turn_start(self, list(window))
+            notes_at.setdefault(at or 0, []).append(text_block(plan.excerpts_block))
+        out: list[dict[str, Any]] = list(head)
+        join = len(out)
+        for i, msg in enumerate(window):
+            notes = notes_at.get(i)
+            if notes:
+                if msg.get("role") == "user":
+                    msg = _with_notes(msg, notes, first=True)
+                elif out and out[-1].get("role") == "user":
+                    out[-1] = _with_notes(out[-1], notes, first=False)
+                else:
+                    out.append({"role": "user", "content": notes})
+            out.append(msg)
+        # The head/window join is the one place where this rewrite can put two same-role messages
+        # side by side (the client's own sequence is forwarded as it came).
+        if 0 < join < len(out):
+            a, b = out[join - 1], out[join]
+            if a.get("role") == b.get("role") == "user":
+                out[join - 1:join + 1] = [_merge_users(a, b)]
+            elif a.get("role") == b.get("role") == "assistant":
+                out.insert(join, {"role": "user", "content": [text_block(CONTINUE_TEXT)]})
+        if out and out[0].get("role") != "user":
+            out.insert(0, {"role": "user", "content": [text_block(CONTINUE_TEXT)]})
+        return out
+
+    def max_output_tokens(self, body: dict[str, Any]) -> int | None:
+        return int_field(body, "max_tokens")
+
+    def caches_full_history(self, raw: bytes) -> bool:
+        """Anthropic caches a prefix only up to a breakpoint the client set."""
+        return b"cache_control" in raw
+
+    def model(self, body: dict[str, Any]) -> str | None:
+        return model_of(body)
+
+    # -- the summarizer's request ------------------------------------------------------------------
+
+    def summary_request(self, model: str, system: str, user: str, *, max_tokens: int,
+                        json_mode: bool) -> tuple[str, dict[str, Any], dict[str, str]]:
+        """(path, body, extra headers) of one completion the summarizer asks of this API (no JSON mode)."""
+        body = {"model": model, "max_tokens": max_tokens, "system": system,
+                "messages": [{"role": "user", "content": user}]}
+        return "/v1/messages", body, {"anthropic-version": "2023-06-01"}
+
+    def summary_answer(self, data: dict[str, Any]) -> tuple[str, int, int]:
+        """(text, input tokens, output tokens) of the answer; KeyError and the like on another shape."""
+        text = "".join(b.get("text", "") for b in data["content"] if b.get("type") == "text")
+        usage = data.get("usage") or {}
+        return text, int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))

@@ -8,7 +8,22 @@ from typing import Any
 import orjson
 
 from gateway.dialects.base import SSEParser, UpstreamName, as_int
-from gateway.model import DialectName, Usage
+from gateway.dialects.canonical import (
+    RS,
+    US,
+    canon_parts,
+    dumps,
+    flat_text,
+    int_field,
+    join,
+    last_turn_start,
+    model_of,
+    norm_args,
+    other,
+    placeholder,
+    string,
+)
+from gateway.model import DialectName, Plan, Usage
 
 
 def openai_error_body(status: int, type_: str, message: str) -> bytes:
@@ -88,9 +103,30 @@ class ChatAccumulator:
 
 
 class OpenAIWire:
-    """What every OpenAI route shares: `stream: true` in the body, and the error shapes."""
+    """What every OpenAI route shares: `stream: true` in the body, the error shapes, the key's header."""
 
     upstream: UpstreamName = "openai"
+    base_has_v1 = True  # `upstreams.openai.base_url` is what the OpenAI SDK is given: it ends in /v1
+
+    def auth_headers(self, api_key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {api_key}"}
+
+    # -- the summarizer's request ------------------------------------------------------------------
+
+    def summary_request(self, model: str, system: str, user: str, *, max_tokens: int,
+                        json_mode: bool) -> tuple[str, dict[str, Any], dict[str, str]]:
+        """(path, body, extra headers) of one completion the summarizer asks (Chat Completions)."""
+        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
+                                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        if json_mode:
+            body["response_format"] = {"type": "json_object"}
+        return "/v1/chat/completions", body, {}
+
+    def summary_answer(self, data: dict[str, Any]) -> tuple[str, int, int]:
+        """(text, input tokens, output tokens) of the answer; KeyError and the like on another shape."""
+        text = data["choices"][0]["message"]["content"] or ""
+        usage = data.get("usage") or {}
+        return text, int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
 
     def is_stream(self, body: Mapping[str, Any]) -> bool:
         return body.get("stream") is True
@@ -102,7 +138,42 @@ class OpenAIWire:
         return openai_stream_error_frame(message)
 
 
+# ---------------------------------------------------------------- messages
+
+
+def _oa_part(p: dict[str, Any]) -> str:
+    kind = p.get("type")
+    if kind == "text":
+        return string(p.get("text"))
+    if kind == "refusal":
+        return string(p.get("refusal"))
+    if kind == "image_url":
+        return "[image]"
+    if kind == "input_audio":
+        return "[audio]"
+    if kind == "file":
+        return placeholder("file", (p.get("file") or {}).get("filename"))
+    return ""
+
+
+def _oa_text(content: Any) -> list[str]:
+    return flat_text(content, _oa_part)
+
+
+def _oa_call(tc: dict[str, Any]) -> tuple[str, str, str]:
+    """(id, name, normalised arguments) of a function or custom tool call."""
+    fn = tc.get("function")
+    if isinstance(fn, dict):
+        return string(tc.get("id")), string(fn.get("name")), norm_args(fn.get("arguments"))
+    custom = tc.get("custom")
+    if isinstance(custom, dict):
+        return string(tc.get("id")), string(custom.get("name")), norm_args(custom.get("input"))
+    return string(tc.get("id")), "", dumps(tc)
+
+
 class OpenAIChat(OpenAIWire):
+    """`/v1/chat/completions`: `messages`, leading system/developer messages are the system prompt."""
+
     name: DialectName = "openai_chat"
     history_field = "messages"
 
@@ -114,3 +185,126 @@ class OpenAIChat(OpenAIWire):
         message = choices[0].get("message") or {}
         calls = [_tool_call(tc) for tc in message.get("tool_calls") or ()]
         return [assistant_item(message.get("content"), calls)], openai_usage(body.get("usage"))
+
+    # -- messages --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _lead(messages: list[Any]) -> int:
+        n = 0
+        for m in messages:
+            if isinstance(m, dict) and m.get("role") in ("system", "developer"):
+                n += 1
+            else:
+                break
+        return n
+
+    def history(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return None
+        return messages[self._lead(messages):]
+
+    def system_text(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        return "\n\n".join(self.text(m) for m in messages[: self._lead(messages)])
+
+    def role(self, raw: dict[str, Any]) -> str:
+        return string(raw.get("role"))
+
+    def text(self, raw: dict[str, Any]) -> str:
+        out = _oa_text(raw.get("content"))
+        refusal = raw.get("refusal")
+        if isinstance(refusal, str) and refusal:
+            out.append(refusal)
+        for tc in raw.get("tool_calls") or ():
+            if isinstance(tc, dict):
+                _, name, args = _oa_call(tc)
+                out.append(f"{name}({args})")
+        fc = raw.get("function_call")
+        if isinstance(fc, dict):
+            out.append(f"{string(fc.get('name'))}({norm_args(fc.get('arguments'))})")
+        return "\n".join(out)
+
+    def canonical(self, raw: dict[str, Any]) -> str:
+        content = raw.get("content")
+        role = raw.get("role")
+        if type(content) is str and len(raw) == 2 and type(role) is str:
+            # Fast path: most messages are {"role", "content": str}; same string as the slow path.
+            # Other fields (provider extras such as `reasoning_content`) are left out on purpose.
+            return role + RS + "t:" + content if content else role
+        if type(content) is list and len(content) == 1 and len(raw) == 2 and type(role) is str:
+            part = content[0]
+            if type(part) is dict and part.get("type") == "text" and len(part) == 2 and type(part["text"]) is str:
+                return role + RS + "t:" + part["text"] if part["text"] else role
+        parts: list[str] = []
+        name = raw.get("name")
+        if isinstance(name, str) and name:
+            parts.append("n:" + name)
+        call_id = raw.get("tool_call_id")
+        if isinstance(call_id, str):
+            parts.append("r:" + call_id)
+        canon_parts(content, parts)
+        refusal = raw.get("refusal")
+        if isinstance(refusal, str) and refusal:
+            parts.append("f:" + refusal)
+        for tc in raw.get("tool_calls") or ():
+            if isinstance(tc, dict):
+                parts.append("c:" + US.join(_oa_call(tc)))
+        fc = raw.get("function_call")
+        if isinstance(fc, dict):
+            parts.append("c:" + US + string(fc.get("name")) + US + norm_args(fc.get("arguments")))
+        audio = raw.get("audio")
+        if isinstance(audio, dict):
+            parts.append(other(audio))
+        return join(string(raw.get("role")), parts)
+
+    def tool_calls(self, raw: dict[str, Any]) -> tuple[str, ...]:
+        calls = raw.get("tool_calls")
+        if not calls:
+            return ()
+        return tuple(tc["id"] for tc in calls if isinstance(tc, dict) and isinstance(tc.get("id"), str))
+
+    def tool_results(self, raw: dict[str, Any]) -> tuple[str, ...]:
+        call_id = raw.get("tool_call_id")
+        return (call_id,) if isinstance(call_id, str) and raw.get("role") == "tool" else ()
+
+    def binds_next(self, raw: dict[str, Any]) -> bool:
+        return False
+
+    def is_turn_start(self, raw: dict[str, Any]) -> bool:
+        return raw.get("role") == "user"
+
+    def render(self, body: dict[str, Any], plan: Plan, *, cache_control: bool) -> dict[str, Any]:
+        messages = body.get("messages")
+        messages = messages if isinstance(messages, list) else []
+        lead = messages[: self._lead(messages)]
+        # Injected notes speak with the client's own system voice (o-series clients use developer).
+        voice = "developer" if any(m.get("role") == "developer" for m in lead) else "system"
+        out: list[dict[str, Any]] = list(lead)
+        layers = "\n\n".join(b for b in (plan.state_block, plan.summary_block) if b)
+        if layers:
+            out.append({"role": voice, "content": layers})
+        out.extend(plan.head)
+        if plan.omitted_marker:
+            out.append({"role": voice, "content": plan.omitted_marker})
+        window = list(plan.window)
+        if plan.excerpts_block:
+            # Before the newest user turn: a user message never sits inside a tool-call group.
+            at = last_turn_start(self, window)
+            window.insert(at or 0, {"role": voice, "content": plan.excerpts_block})
+        out.extend(window)
+        new = dict(body)
+        new["messages"] = out
+        return new
+
+    def max_output_tokens(self, body: dict[str, Any]) -> int | None:
+        return int_field(body, "max_completion_tokens", "max_tokens")
+
+    def caches_full_history(self, raw: bytes) -> bool:
+        """OpenAI caches long prompt prefixes by itself."""
+        return True
+
+    def model(self, body: dict[str, Any]) -> str | None:
+        return model_of(body)

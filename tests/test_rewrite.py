@@ -1,25 +1,26 @@
-"""context.py: boundaries, the full/rewritten decision, layers, excerpts and the hard budget."""
+"""rewrite.py: boundaries, the full/rewritten decision, layers, excerpts and the hard budget."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from gateway import cost, rewrite
 from gateway.config import MemorySettings
-from gateway.context import align_boundary, build_plan, clean_cuts, fill
-from gateway.model import Plan, Summary, Turn
-from gateway.shape import Shape, content_hash, shape_for
+from gateway.dialects import Dialect, content_hash, dialect_named
+from gateway.model import Message, Plan, Summary
+from gateway.rewrite import History, Inputs, align_boundary, clean_cuts, fill
 
-oa = shape_for("openai_chat")
-an = shape_for("anthropic")
-rs = shape_for("openai_responses")
+oa = dialect_named("openai_chat")
+an = dialect_named("anthropic")
+rs = dialect_named("openai_responses")
 
 
 def count(text: str) -> int:
     return len(text.split())
 
 
-def turns(shape: Shape, raws: list[dict[str, Any]], tokens: int = 10) -> list[Turn]:
-    return [Turn(raw=r, role=shape.role(r), text=shape.text(r), tokens=tokens, hash=content_hash(shape, r),
+def turns(dialect: Dialect, raws: list[dict[str, Any]], tokens: int = 10) -> list[Message]:
+    return [Message(raw=r, role=dialect.role(r), text=dialect.text(r), tokens=tokens, hash=content_hash(dialect, r),
                  time="2024-05-01T10:00:00" if i == 1 else None) for i, r in enumerate(raws)]
 
 
@@ -40,18 +41,40 @@ def result(i: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": i, "content": "ok"}
 
 
-def plan_for(ts: list[Turn], *, cov: int = 0, summary: str = "the story so far", state: str = "",
-             budget: int = 100_000, recall: Any = None, shape: Shape = oa, full_known: bool = False,
-             worth_recalling: Any = None, **mem: Any) -> Plan:
+def planned(inputs: Inputs, recall: Any = None) -> Plan:
+    """What production does with a plan (memory.py), with `recall(window_start, budget)` as the search."""
+    draft = rewrite.plan(inputs)
+    wants = draft.wants
+    return draft.finish(recall(wants.window_start, wants.budget) if recall and wants else ()).plan
+
+
+def build(dialect: Dialect, *, head: list[Message], tail: list[Message], tail_start: int, total_messages: int,
+          total_tokens: int, system_tokens: int, summary: Summary | None, state_block: str, state_tokens: int,
+          settings: MemorySettings, context_budget: int, recall: Any = None, **cost_inputs: Any) -> Plan:
+    """The plan for a conversation given as its parts (counts by `count`)."""
+    history = History(head=head, tail=tail, tail_start=tail_start, total_messages=total_messages,
+                      total_tokens=total_tokens, summary=summary, stored_head=head)
+    return planned(Inputs(dialect=dialect, history=history, system_tokens=system_tokens, state_block=state_block,
+                          state_tokens=state_tokens, settings=settings, context_budget=context_budget, count=count,
+                          **cost_inputs), recall)
+
+
+def plan_for(ts: list[Message], *, cov: int = 0, summary: str = "the story so far", state: str = "",
+             budget: int = 100_000, recall: Any = None, dialect: Dialect = oa, full_known: bool = False,
+             cost_inputs: dict[str, Any] | None = None, **mem: Any) -> Plan:
+    # The layering rules; the prompt-cache cost choice is on only where a test asks for it, and
+    # excerpts may take any share of these small histories.
     settings = MemorySettings.model_validate(
-        {"message_threshold": 4, "token_threshold": 10_000, "keep_recent": 2, **mem})
+        {"message_threshold": 4, "token_threshold": 10_000, "keep_recent": 2, "cost_model": False,
+         "retrieval_max_share": 1.0, "retrieval_target_share": 0.0, "retrieval_context_share": 1.0,
+         "min_saving_share": 0.0, **mem})
     state_block = fill(settings.templates.state, state=state) if state else ""
-    return build_plan(
-        shape, head=ts[: max(settings.keep_initial, cov) if full_known else settings.keep_initial],
+    return build(
+        dialect, head=ts[: max(settings.keep_initial, cov) if full_known else settings.keep_initial],
         tail=ts[cov:], tail_start=cov, total_messages=len(ts), total_tokens=sum(t.tokens for t in ts),
         system_tokens=5, summary=Summary(text=summary, covers=cov, version=1, tokens=count(summary)) if cov else None,
         state_block=state_block, state_tokens=count(state_block), settings=settings, context_budget=budget,
-        count=count, recall=recall, worth_recalling=worth_recalling,
+        recall=recall, **(cost_inputs or {}),
     )
 
 
@@ -127,18 +150,41 @@ def test_over_threshold_without_summary_sends_full_when_nothing_is_saved() -> No
 
 
 def test_full_needs_the_whole_conversation_at_hand() -> None:
-    """"full" is chosen only when every message is known (so a delta client can be served from the
-    plan); otherwise a summary that saves nothing is still forwarded in place of what it covers."""
+    """A delta client's "full" must be rendered from stored messages, so it is chosen for one only
+    when every message is known; otherwise a summary that saves nothing is still forwarded in place
+    of what it covers (the client did not send those messages)."""
     ts = turns(oa, [*chat(2), {"role": "user", "content": "q"}])
     big = "word " * 40
     assert plan_for(ts, cov=2, summary=big, full_known=True).kind == "full"
 
-    def never(start: int, budget: int) -> list[tuple[int, Turn]]:
+    def never(start: int, budget: int) -> list[tuple[int, Message]]:
         raise AssertionError("searched for a plan that goes full either way")
 
     assert plan_for(ts, cov=2, summary=big, full_known=True, recall=never, keep_initial=1).kind == "full"
-    p = plan_for(ts, cov=2, summary=big)
+    p = plan_for(ts, cov=2, summary=big, cost_inputs={"whole": False})
     assert p.kind == "rewritten" and p.window == [t.raw for t in ts[2:]]
+
+
+def test_a_rewrite_never_exceeds_the_request_it_replaces() -> None:
+    """A client that sends its whole history gets it forwarded as sent (no-saving) whenever the
+    layers would not be smaller, even when the summary covers messages not loaded (no head at hand):
+    a small conversation with a long summary and state is never inflated."""
+    ts = turns(oa, [*chat(6), {"role": "user", "content": "q"}], tokens=5)
+
+    def recall(start: int, budget: int) -> list[tuple[int, Message]]:
+        return [(i, ts[i]) for i in range(start)]
+
+    for cov in (2, 4, 6, 8):
+        for summary in ("short", "word " * 20, "word " * 60):
+            for state in ("", "- db: redis", "- goal: " + "x " * 30):
+                p = plan_for(ts, cov=cov, summary=summary, state=state, recall=recall, keep_recent=2)
+                assert p.tokens_forwarded <= p.tokens_original, (cov, summary, state)
+                if p.kind == "full":
+                    assert p.reason in (rewrite.NO_SAVING, rewrite.UNDER_THRESHOLD)
+                else:
+                    assert p.tokens_forwarded < p.tokens_original
+    p = plan_for(ts, cov=4, summary="word " * 60)
+    assert p.kind == "full" and p.reason == rewrite.NO_SAVING and p.tokens_forwarded == p.tokens_original
 
 
 def test_rewrite_carries_state_summary_and_the_unsummarised_tail() -> None:
@@ -157,10 +203,10 @@ def test_rewrite_carries_state_summary_and_the_unsummarised_tail() -> None:
 def test_window_keeps_at_least_keep_recent_messages() -> None:
     """When the summary covers more than keep_recent allows, the window reaches back to a turn start."""
     ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
-    p = build_plan(oa, head=[], tail=ts, tail_start=0, total_messages=11, total_tokens=110, system_tokens=0,
-                   summary=Summary(text="s", covers=10, version=1, tokens=1), state_block="", state_tokens=0,
-                   settings=MemorySettings.model_validate({"message_threshold": 4, "keep_recent": 4}),
-                   context_budget=10_000, count=count, recall=None)
+    p = build(oa, head=[], tail=ts, tail_start=0, total_messages=11, total_tokens=110, system_tokens=0,
+              summary=Summary(text="s", covers=10, version=1, tokens=1), state_block="", state_tokens=0,
+              settings=MemorySettings.model_validate({"message_threshold": 4, "keep_recent": 4}),
+              context_budget=10_000)
     assert p.window == [t.raw for t in ts[6:]]  # 4 recent = positions 7..10, aligned down to 6
 
 
@@ -184,11 +230,11 @@ def test_excerpts_render_recalled_messages_in_order_without_window_duplicates() 
     ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
     asked: list[tuple[int, int]] = []
 
-    def recall(start: int, budget: int) -> list[tuple[int, Turn]]:
+    def recall(start: int, budget: int) -> list[tuple[int, Message]]:
         asked.append((start, budget))
         return [(p, ts[p]) for p in (3, 9, 1, 0, 3)]
 
-    p = plan_for(ts, cov=6, recall=recall, keep_initial=1, retrieval_budget_tokens=40)
+    p = plan_for(ts, cov=6, summary="", recall=recall, keep_initial=1, retrieval_budget_tokens=40)
     assert asked == [(6, 40)]
     assert p.excerpts_block == (
         "## Relevant earlier excerpts (verbatim, from earlier in this conversation)\n"
@@ -202,38 +248,47 @@ def test_excerpts_stay_within_their_budget() -> None:
     ts = turns(oa, raws)
     for t in ts:
         t.tokens = count(t.text) + 4  # stored turns carry their real count
-    p = plan_for(ts, cov=6, recall=lambda s, b: [(3, ts[3]), (1, ts[1])], retrieval_budget_tokens=20)
+    # (a budget the search can use: over the 20 tokens the block's heading is allowed)
+    budget = 30
+    p = plan_for(ts, cov=6, recall=lambda s, b: [(3, ts[3]), (1, ts[1])], retrieval_budget_tokens=budget)
     assert "[message 1," in p.excerpts_block and "[message 3," not in p.excerpts_block
-    assert count(p.excerpts_block) <= 20
+    assert count(p.excerpts_block) <= budget
 
 
 def test_excerpts_are_off_when_retrieval_is_disabled() -> None:
     """retrieval.enabled false: recall is never called."""
     ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
 
-    def recall(start: int, budget: int) -> list[tuple[int, Turn]]:
+    def recall(start: int, budget: int) -> list[tuple[int, Message]]:
         raise AssertionError("called")
 
     p = plan_for(ts, cov=6, recall=recall, retrieval={"enabled": False})
     assert p.kind == "rewritten" and p.excerpts_block == ""
 
 
-def test_worth_recalling_sees_the_plan_without_excerpts_and_can_skip_the_search() -> None:
-    """worth_recalling gets exactly the plan build_plan returns without excerpts; False skips recall,
-    True changes nothing."""
-    ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
+def test_no_search_when_the_cached_full_history_costs_less_than_the_rewrite() -> None:
+    """With the full history warm in the provider's cache and cheaper than the rewrite without
+    excerpts, no search is made and the full history goes; cold, the same request is searched and
+    rewritten exactly as without the cost model."""
+    ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}], tokens=20)
     recalled = [(p, ts[p]) for p in (3, 1)]
-    plain = plan_for(ts, cov=6, keep_initial=1)
-    full = plan_for(ts, cov=6, keep_initial=1, recall=lambda s, b: recalled)
-    drafts: list[Plan] = []
+    chains = [f"chain {i}" for i in range(len(ts))]
+    searched: list[int] = []
 
-    def never(start: int, budget: int) -> list[tuple[int, Turn]]:
-        raise AssertionError("searched")
+    def recall(start: int, budget: int) -> list[tuple[int, Message]]:
+        searched.append(start)
+        return recalled
 
-    skipped = plan_for(ts, cov=6, keep_initial=1, recall=never, worth_recalling=lambda d: drafts.append(d) or False)
-    assert drafts == [plain] and skipped == plain
-    kept = plan_for(ts, cov=6, keep_initial=1, recall=lambda s, b: recalled, worth_recalling=lambda d: True)
-    assert kept == full and kept.excerpts_block
+    def with_cost(last: cost.Forwarded | None) -> Plan:
+        return plan_for(ts, cov=6, keep_initial=1, recall=recall, cost_model=True, cost_inputs={
+            "system_hash": "system", "chains": chains, "new_tokens": 20, "last": last, "now": 1.0})
+
+    # The previous request forwarded the history up to the newest turn, whole, a second ago.
+    warm = with_cost(cost.full_record(("system", 5), len(ts) - 1, chains[-2], 20 * (len(ts) - 1), now=0.0))
+    assert searched == [] and warm.kind == "full" and warm.reason == rewrite.CHEAPER_CACHED
+    cold = with_cost(None)
+    assert searched == [6] and cold.excerpts_block
+    assert cold == plan_for(ts, cov=6, keep_initial=1, recall=lambda s, b: recalled)
 
 
 # ---------------------------------------------------------------- hard budget
@@ -261,6 +316,28 @@ def test_the_newest_turn_is_never_split_or_dropped() -> None:
     assert p.tokens_forwarded > 20 and p.urgent_fold
 
 
+def test_hard_budget_drops_the_head_then_the_state_then_the_summary() -> None:
+    """When the newest turn fits only without other layers, they go in the documented order: the head
+    first, then the project state, and the summary last."""
+    ts = turns(oa, [*chat(4), {"role": "user", "content": "q"}])
+    settings = MemorySettings()
+    state_tokens = count(fill(settings.templates.state, state="- use Redis"))
+    summary_tokens = count(fill(settings.templates.summary, summary="the story so far", covered=4))
+    # system + the omitted-messages marker ("[4 earlier messages omitted]") + the newest turn
+    rest = 5 + count(fill(settings.templates.omitted, count=4)) + 10
+
+    no_head = plan_for(ts, cov=4, state="- use Redis", keep_initial=2, budget=rest + state_tokens + summary_tokens)
+    assert no_head.head == [] and no_head.state_block and no_head.summary_block
+    assert no_head.window == [ts[-1].raw]
+
+    no_state = plan_for(ts, cov=4, state="- use Redis", keep_initial=2, budget=rest + summary_tokens)
+    assert no_state.head == [] and no_state.state_block == "" and no_state.summary_block
+    assert no_state.tokens_forwarded <= rest + summary_tokens
+
+    nothing = plan_for(ts, cov=4, state="- use Redis", keep_initial=2, budget=rest)
+    assert nothing.head == [] and nothing.state_block == "" and nothing.summary_block == ""
+
+
 def test_agent_loop_without_user_turns_starts_at_a_clean_cut() -> None:
     """A tail with no user message (one long tool loop) still gets a window that keeps groups whole."""
     raws = [{"role": "user", "content": "task"}]
@@ -276,10 +353,27 @@ def test_agent_loop_without_user_turns_starts_at_a_clean_cut() -> None:
 def test_a_tail_opening_inside_a_tool_group_is_sent_full() -> None:
     """When no valid window start exists at all, the client's body goes unchanged."""
     ts = turns(oa, [result("x"), result("y")])
-    p = build_plan(oa, head=[], tail=ts, tail_start=3, total_messages=5, total_tokens=500, system_tokens=0,
-                   summary=Summary(text="s", covers=3, version=1, tokens=1), state_block="", state_tokens=0,
-                   settings=MemorySettings.model_validate({"message_threshold": 1}), context_budget=10_000, count=count)
+    p = build(oa, head=[], tail=ts, tail_start=3, total_messages=5, total_tokens=500, system_tokens=0,
+              summary=Summary(text="s", covers=3, version=1, tokens=1), state_block="", state_tokens=0,
+              settings=MemorySettings.model_validate({"message_threshold": 1}), context_budget=10_000)
     assert p.kind == "full"
+
+
+def test_every_plan_says_why_it_is_what_it_is() -> None:
+    """Each way a request can go carries its reason: under the thresholds, nothing saved, rewritten,
+    cut to the budget, refused as too large, and whole because no clean window start exists."""
+    ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
+    assert plan_for(ts, message_threshold=30).reason == rewrite.UNDER_THRESHOLD
+    assert plan_for(ts).reason == rewrite.NO_SAVING
+    assert plan_for(ts, cov=6).reason == rewrite.REWRITTEN
+    assert plan_for(ts, cov=2, budget=60).reason == rewrite.OVER_BUDGET
+    assert plan_for(ts, cov=2, budget=10).reason == rewrite.TOO_LARGE
+    loose = turns(oa, [result("x"), result("y")])
+    p = build(oa, head=[], tail=loose, tail_start=3, total_messages=5, total_tokens=500, system_tokens=0,
+              summary=Summary(text="s", covers=3, version=1, tokens=1), state_block="", state_tokens=0,
+              settings=MemorySettings.model_validate({"message_threshold": 1}), context_budget=10_000)
+    assert p.reason == rewrite.NO_CLEAN_CUT
+    assert {rewrite.CHEAPER_CACHED, rewrite.UNDER_THRESHOLD, rewrite.TOO_LARGE} <= set(rewrite.REASONS)
 
 
 def test_fill_expands_each_field_once() -> None:

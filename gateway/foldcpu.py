@@ -1,0 +1,349 @@
+"""Where a fold's CPU runs: a thread of this process, or processes of its own (`gateway serve`).
+
+A local (extractive) fold is all CPU: sentence scoring over the aged messages, the summary's cap,
+the state ledger's extraction. In a thread it still holds the interpreter lock, so every request
+the serving process handles waits behind it. `gateway serve` therefore hands it to
+`memory.worker.fold_processes` child processes (`ProcessCPU`); `gateway worker`, which serves no
+requests, and code that builds a `FoldWorker` alone keep a thread (`ThreadCPU`).
+
+What crosses the process boundary is plain data: the previous summary text, the aged messages
+without their provider-native `raw` (the summarizer reads role, text, tokens and time), the stored
+ledger JSON; back come the summary, its token count and the ledger's new JSON (None: unchanged).
+Pickling both ways happens in the executor's own threads, not on the event loop.
+
+The children start from a fork server that has imported the summarizer and loaded its encoding
+once (foldwarm.py): a child costs a fork, not an interpreter start and a second of loading, and
+`gateway serve` starts them with its workers (`ProcessCPU.start`). A program that embeds the
+gateway must guard its main module (`if __name__ == "__main__"`): each child imports it again, as
+multiprocessing's children do. A child that dies (killed, out of memory) breaks its pool: the fold it was running fails
+like any failed fold (the worker retries it with backoff) and the next call starts new children.
+Children ignore SIGINT and SIGTERM: `gateway serve` decides when they stop (`ProcessCPU.close`,
+after the workers' grace period); if the gateway itself dies they exit at once (`_exit_with`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from gateway import fold, state
+from gateway.config import Settings
+from gateway.logs import get_logger
+from gateway.model import Message
+from gateway.summarizer import build_summarizer
+from gateway.tokens import FALLBACK_ENCODING, TokenCounter
+
+log = get_logger("gateway.foldcpu")
+
+_WARM_ENV = "GATEWAY_FOLD_ENCODING"  # foldwarm.ENV (not imported here: foldwarm imports this module)
+
+T = TypeVar("T")
+
+
+class FoldProcessLost(RuntimeError):
+    """The process computing a fold died before answering; the fold is retried like any failure."""
+
+
+@dataclass(slots=True)
+class StateChange:
+    """A ledger update computed ahead of its CAS write: from the ledger stored at `version`.
+
+    `dumped` is the new ledger's JSON, None when the fold left it as it was. `updated` is the new
+    ledger itself when it was computed in this process (then it is remembered for the next fold).
+    """
+
+    version: int
+    dumped: dict[str, Any] | None
+    tokens_in: int = 0
+    tokens_out: int = 0
+    updated: state.Ledger | None = None
+
+
+@dataclass(slots=True)
+class FoldOutput:
+    summary: fold.SummaryResult
+    tokens: int  # of the summary's text
+    state: StateChange
+    pid: int  # the process that computed it
+
+
+class LedgerCache:
+    """Validated ledgers by state key, each with the JSON it was read or written as (LRU).
+
+    Most folds leave the ledger as it was, so the next fold reads the same JSON back: comparing
+    it with the JSON last seen (one C-level dict comparison) replaces validating it again
+    (pydantic, ~1.5 us an item, up to state.MAX_ITEMS). A ledger is never changed in place
+    (extract and apply_update work on copies), so the same object can be handed out again.
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._by_key: OrderedDict[str, tuple[dict[str, Any], state.Ledger]] = OrderedDict()
+
+    def load(self, key: str, data: dict[str, Any] | None) -> state.Ledger:
+        """`state.load(data)`, without validating `data` again when it is the JSON last seen for `key`."""
+        if not data:
+            return state.load(data)
+        known = self._by_key.get(key)
+        if known is not None and known[0] == data:
+            self._by_key.move_to_end(key)
+            return known[1]
+        ledger = state.load(data)
+        self.remember(key, data, ledger)
+        return ledger
+
+    def remember(self, key: str, data: dict[str, Any], ledger: state.Ledger) -> None:
+        self._by_key[key] = (data, ledger)
+        self._by_key.move_to_end(key)
+        if len(self._by_key) > self.size:
+            self._by_key.popitem(last=False)
+
+
+class LocalFold:
+    """A local summarizer's fold, computed whole where it is called (a worker thread or a child)."""
+
+    def __init__(self, summarizer: fold.Summarizer, max_summary_tokens: int, ledgers: LedgerCache | None = None,
+                 *, keep: bool = True, timeline_tokens: int = 0) -> None:
+        self.summarizer = summarizer
+        self.max_summary_tokens = max_summary_tokens
+        self.timeline_tokens = timeline_tokens
+        self.ledgers = ledgers or LedgerCache()
+        self.keep = keep  # hand the new Ledger back with its JSON (only useful within one process)
+
+    def fold(self, text: str, aged: Sequence[Message], covers: int, state_key: str,
+             state_data: dict[str, Any] | None, state_version: int, now: str,
+             conversation: str = "") -> FoldOutput:
+        result = fold.run_local(fold.fold_summary(self.summarizer, text, aged, covers,
+                                                  max_tokens=self.max_summary_tokens,
+                                                  timeline_tokens=self.timeline_tokens))
+        change = self.state(state_key, state_data, state_version, aged, covers, now, conversation)
+        return FoldOutput(result, self.summarizer.count(result.text), change, os.getpid())
+
+    def state(self, state_key: str, state_data: dict[str, Any] | None, state_version: int,
+              aged: Sequence[Message], start: int, now: str, conversation: str = "") -> StateChange:
+        ledger = self.ledgers.load(state_key, state_data)
+        updated, tin, tout = fold.run_local(read_turns(self.summarizer, ledger, aged, start, conversation, now))
+        if updated is ledger or updated == ledger:
+            return StateChange(state_version, None, tin, tout)
+        dumped = updated.dump()
+        # What the store will hold if the CAS write succeeds: the next fold reads it back as is.
+        self.ledgers.remember(state_key, dumped, updated)
+        return StateChange(state_version, dumped, tin, tout, updated if self.keep else None)
+
+
+async def read_turns(summarizer: fold.Summarizer, ledger: state.Ledger, turns: Sequence[Message], start: int,
+                     conversation: str, now: str) -> tuple[state.Ledger, int, int]:
+    """The ledger with what turns [start, start+len) establish, less those it has read already
+    (memory.py reads a conversation's first messages before it folds at all), marked as read.
+
+    A fold marks only a ledger it changes (most folds leave it unwritten): its reads start at the
+    summary's coverage anyway."""
+    skip = max(0, min(len(turns), state.mark(ledger, conversation) - start)) if conversation else 0
+    tin = tout = 0
+    updated = ledger
+    if skip < len(turns):
+        updated, tin, tout = await summarizer.update_state(ledger, turns[skip:], start + skip, now=now)
+    if updated is ledger or not conversation:
+        return updated, tin, tout
+    return state.marked(updated, conversation, start + len(turns)), tin, tout
+
+
+class FoldCPU(Protocol):
+    """Runs a local fold's computation off the event loop."""
+
+    async def fold(self, text: str, aged: Sequence[Message], covers: int, state_key: str,
+                   state_data: dict[str, Any] | None, state_version: int, now: str,
+             conversation: str = "") -> FoldOutput: ...
+
+    async def state(self, state_key: str, state_data: dict[str, Any] | None, state_version: int,
+                    aged: Sequence[Message], start: int, now: str, conversation: str = "") -> StateChange: ...
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    async def close(self, grace: float = 10.0) -> None: ...
+
+
+class ThreadCPU:
+    """Fold CPU in a thread of this process (`gateway worker`, a `FoldWorker` built alone)."""
+
+    def __init__(self, summarizer: fold.Summarizer, max_summary_tokens: int, timeline_tokens: int = 0) -> None:
+        self.local = LocalFold(summarizer, max_summary_tokens, timeline_tokens=timeline_tokens)
+
+    async def fold(self, text: str, aged: Sequence[Message], covers: int, state_key: str,
+                   state_data: dict[str, Any] | None, state_version: int, now: str,
+                   conversation: str = "") -> FoldOutput:
+        return await asyncio.to_thread(self.local.fold, text, aged, covers, state_key, state_data, state_version, now,
+                                       conversation)
+
+    async def state(self, state_key: str, state_data: dict[str, Any] | None, state_version: int,
+                    aged: Sequence[Message], start: int, now: str, conversation: str = "") -> StateChange:
+        return await asyncio.to_thread(self.local.state, state_key, state_data, state_version, aged, start, now,
+                                       conversation)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args)
+
+    async def close(self, grace: float = 10.0) -> None:
+        return None
+
+
+# -- in a child process ----------------------------------------------------------------------------
+
+_CHILD: LocalFold | None = None
+
+
+def _start_child(settings: Settings) -> None:
+    """Executor initializer: the child's own token counter and extractive summarizer."""
+    global _CHILD
+    # Ctrl-C or a SIGTERM to the whole process group reaches the children too: the parent stops them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A gateway killed outright (SIGKILL, out of memory) never stops its children, and a child
+    # never reads EOF on its job queue (it holds that pipe's write end too): it would outlive the
+    # gateway, holding its stdout. Its parent's sentinel becomes readable when the gateway dies.
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), name="fold-parent-watch", daemon=True).start()
+    counter = TokenCounter(settings.models)
+    model = settings.memory.summarizer.model
+    summarizer = build_summarizer(settings, lambda text: counter.count(text, model), mode="extractive")
+    _CHILD = LocalFold(summarizer, settings.memory.max_summary_tokens, keep=False,
+                       timeline_tokens=settings.memory.timeline_tokens)
+
+
+def _exit_with(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(0)
+
+
+def _child() -> LocalFold:
+    if _CHILD is None:
+        raise RuntimeError("fold process not initialised")
+    return _CHILD
+
+
+def child_pid() -> int:
+    """A call that only makes sure the child is started and initialised."""
+    _child()
+    return os.getpid()
+
+
+def child_fold(text: str, aged: Sequence[Message], covers: int, state_key: str,
+               state_data: dict[str, Any] | None, state_version: int, now: str,
+               conversation: str = "") -> FoldOutput:
+    return _child().fold(text, aged, covers, state_key, state_data, state_version, now, conversation)
+
+
+def child_state(state_key: str, state_data: dict[str, Any] | None, state_version: int,
+                aged: Sequence[Message], start: int, now: str, conversation: str = "") -> StateChange:
+    return _child().state(state_key, state_data, state_version, aged, start, now, conversation)
+
+
+class ProcessCPU:
+    """Fold CPU in `processes` child processes (`gateway serve`), started with the workers (`start`)."""
+
+    def __init__(self, settings: Settings, processes: int) -> None:
+        self.settings = settings
+        self.processes = processes
+        self._executor: ProcessPoolExecutor | None = None
+        self._warming: asyncio.Task[None] | None = None
+        self.lost = 0  # pools broken by a child's death
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            ctx = multiprocessing.get_context("forkserver")
+            # Both only apply when the fork server starts (once per process): its children then
+            # fork with the summarizer's modules and its encoding loaded (foldwarm.py).
+            os.environ[_WARM_ENV] = self._encoding()
+            ctx.set_forkserver_preload(["gateway.foldwarm"])
+            self._executor = ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_start_child,
+                                                 initargs=(self.settings,))
+        return self._executor
+
+    def _encoding(self) -> str:
+        models = self.settings.models
+        chosen = models.get(TokenCounter(models).model_key(self.settings.memory.summarizer.model))
+        return chosen.encoding if chosen is not None and chosen.encoding else FALLBACK_ENCODING
+
+    def start(self) -> None:
+        """Start the children now (in the background), not at the first fold: a fold then never
+        waits for a process to start."""
+        self._pool()
+        self._warming = asyncio.get_running_loop().create_task(self._warm())
+
+    async def _warm(self) -> None:
+        with contextlib.suppress(FoldProcessLost):
+            pids = [await self.call(child_pid) for _ in range(self.processes)]
+            log.info("fold.processes_started", processes=sorted(set(pids)))
+
+    def pids(self) -> list[int]:
+        """The children's process ids (none before the first fold)."""
+        procs = getattr(self._executor, "_processes", None) or {}
+        return [p.pid for p in procs.values() if p.pid is not None]
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a child process; `fn` and the arguments must pickle (module-level functions)."""
+        executor = self._pool()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        except BrokenProcessPool as exc:
+            if self._executor is executor:  # the first call to see it replaces the pool
+                self._executor = None
+                self.lost += 1
+                executor.shutdown(wait=False, cancel_futures=True)
+                log.warning("fold.process_lost", detail="a fold process died; the fold is retried in a new one")
+            raise FoldProcessLost("the fold process died before answering") from exc
+
+    async def fold(self, text: str, aged: Sequence[Message], covers: int, state_key: str,
+                   state_data: dict[str, Any] | None, state_version: int, now: str,
+                   conversation: str = "") -> FoldOutput:
+        return await self.call(child_fold, text, fold.slim(aged), covers, state_key, state_data, state_version, now,
+                               conversation)
+
+    async def state(self, state_key: str, state_data: dict[str, Any] | None, state_version: int,
+                    aged: Sequence[Message], start: int, now: str, conversation: str = "") -> StateChange:
+        return await self.call(child_state, state_key, state_data, state_version, fold.slim(aged), start, now,
+                               conversation)
+
+    async def close(self, grace: float = 10.0) -> None:
+        """Stop the children: at once when idle, a running computation within `grace` seconds, else killed."""
+        if self._warming is not None:
+            self._warming.cancel()
+            with contextlib.suppress(BaseException):
+                await self._warming
+            self._warming = None
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        children = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+
+        def reap() -> None:
+            deadline = time.monotonic() + grace
+            for p in children:
+                p.join(max(0.0, deadline - time.monotonic()))
+            for p in children:
+                if p.is_alive():  # a fold the workers gave up on after the grace period
+                    p.kill()
+                    p.join()
+
+        await asyncio.to_thread(reap)
+
+
+def fold_cpu(settings: Settings, summarizer: fold.Summarizer, processes: int) -> FoldCPU:
+    """`processes` children for a local summarizer's folds (0: a thread of this process)."""
+    if processes > 0:
+        return ProcessCPU(settings, processes)
+    return ThreadCPU(summarizer, settings.memory.max_summary_tokens, settings.memory.timeline_tokens)

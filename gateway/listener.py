@@ -1,0 +1,190 @@
+"""The listening socket's limits: header read timeout, connection cap, keep-alive (`server.*`).
+
+aiohttp waits for a request head as long as its sender takes: a thousand sockets sending their
+headers a byte at a time hold a thousand file descriptors for ever, and normal requests then fail
+to connect. `Guarded` wraps aiohttp's protocol for each connection: the head of every request must
+arrive within `header_timeout_seconds` of its first byte (or of the connection's opening), and past
+`max_connections` a new connection is closed at once. The body read timeout is the request path's
+(`proxy.py`, `api.py`): a body is read there.
+
+Request boundaries are followed on the raw bytes: a head ends at a blank line, a body of known
+`Content-Length` is skipped, and a chunked body is followed chunk by chunk (size line, data,
+trailers) so the next request's head on the same connection is timed too. Framing this follower
+cannot read (an over-long or malformed size line) ends the head timing for that connection;
+aiohttp's own parser refuses such a request anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config import ServerSettings
+
+_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d{1,18})", re.IGNORECASE)
+_CHUNKED = re.compile(rb"\r\ntransfer-encoding:[^\r\n]*chunked", re.IGNORECASE)
+_MAX_HEAD = 64 * 1024  # aiohttp refuses longer heads itself; past this the head is not followed
+_MAX_LINE = 8 * 1024  # a chunk-size line (with extensions) or a trailer line
+_HEX = re.compile(rb"[0-9a-fA-F]{1,16}")
+
+
+class Guarded(asyncio.Protocol):
+    """aiohttp's protocol for one connection, with the head deadline and the connection count."""
+
+    def __init__(self, inner: Any, limits: ServerSettings, open_count: list[int]) -> None:
+        self.inner = inner
+        self.limits = limits
+        self.open = open_count
+        self.transport: Any = None
+        self.counted = False
+        self.head = bytearray()  # the current request's head so far
+        self.body_left = 0  # body bytes of the current request still to come
+        self.untracked = False  # framing not followed: heads are no longer timed on this connection
+        self.chunked: bytes | None = None  # in a chunked body: b"size" or b"trailer" lines are read
+        self.line = bytearray()  # the chunk-size or trailer line so far
+        self.deadline: asyncio.TimerHandle | None = None
+
+    # -- connection -------------------------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport  # uvloop's transports are not asyncio.Transport subclasses
+        if self.open[0] >= self.limits.max_connections:
+            transport.abort()  # over the cap: refused before aiohttp spends anything on it
+            return
+        self.open[0] += 1
+        self.counted = True
+        self._arm()
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self.counted:
+            self.open[0] -= 1
+            self.counted = False
+            self.inner.connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self.deadline is None:
+            loop = asyncio.get_running_loop()
+            self.deadline = loop.call_later(self.limits.header_timeout_seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expired(self) -> None:
+        self.deadline = None
+        if self.transport is not None:
+            self.transport.abort()  # a head this slow is not a client waiting for an answer
+
+    # -- bytes ------------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if not self.untracked:
+            self._follow(data)
+        self.inner.data_received(data)
+
+    def _follow(self, data: bytes) -> None:
+        view = memoryview(data)
+        while len(view):
+            if self.body_left:
+                n = min(self.body_left, len(view))
+                self.body_left -= n
+                view = view[n:]
+                continue
+            if self.chunked is not None:
+                view = self._chunk_line(view)
+                continue
+            if not self.head:
+                self._arm()
+            before = len(self.head)
+            self.head += view[:_MAX_HEAD]
+            end = self.head.find(b"\r\n\r\n", max(before - 3, 0))
+            if end < 0:
+                if len(self.head) >= _MAX_HEAD:
+                    self._stop_following()
+                return
+            consumed = end + 4 - before  # bytes of `view` that belong to this head
+            head = bytes(self.head[:end + 4])
+            self.head.clear()
+            self._disarm()
+            view = view[consumed:]
+            if _CHUNKED.search(head):
+                self.chunked = b"size"
+                continue
+            length = _LENGTH.search(head)
+            self.body_left = int(length.group(1)) if length else 0
+
+    def _chunk_line(self, view: memoryview) -> memoryview:
+        """Read up to one line of a chunked body's framing from `view`; what is left of it."""
+        before = len(self.line)
+        self.line += view[:_MAX_LINE]
+        end = self.line.find(b"\r\n", max(before - 1, 0))
+        if end < 0:
+            if len(self.line) >= _MAX_LINE:
+                self._stop_following()
+                return view[:0]
+            return view[len(view):]
+        rest = view[end + 2 - before:]
+        line = bytes(self.line[:end])
+        self.line.clear()
+        if self.chunked == b"trailer":
+            if not line:  # the blank line after the trailers: the request is over
+                self.chunked = None
+            return rest
+        size = _HEX.match(line)
+        if size is None:
+            self._stop_following()
+            return view[:0]
+        n = int(size.group(), 16)
+        if n:
+            self.body_left = n + 2  # the data and its CRLF
+        else:
+            self.chunked = b"trailer"
+        return rest
+
+    def _stop_following(self) -> None:
+        self.untracked = True
+        self.chunked = None
+        self.head.clear()
+        self.line.clear()
+        self._disarm()
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()  # type: ignore[no-any-return]
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+async def start(app: web.Application, limits: ServerSettings, host: str, port: int,
+                *, handler_cancellation: bool = True) -> tuple[web.AppRunner, asyncio.Server]:
+    """Serve `app` on host:port with `limits`; the caller cleans up the runner and closes the server."""
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation,
+                           keepalive_timeout=limits.keepalive_timeout_seconds,
+                           # SIGTERM: in-flight requests and streams get this long (gateway/shutdown.py).
+                           shutdown_timeout=limits.shutdown_grace_seconds)
+    await runner.setup()
+    factory = runner.server
+    assert factory is not None
+    open_count = [0]
+    loop = asyncio.get_running_loop()
+    try:
+        server = await loop.create_server(lambda: Guarded(factory(), limits, open_count), host, port,
+                                          reuse_address=True, backlog=min(limits.max_connections, socket.SOMAXCONN))
+    except BaseException:
+        await runner.cleanup()  # the app started (fold workers included): stop it, or the process hangs
+        raise
+    return runner, server
+
+
+def bound_port(server: asyncio.Server) -> int:
+    return int(server.sockets[0].getsockname()[1])

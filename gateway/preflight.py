@@ -1,0 +1,75 @@
+"""Mistakes a config can hold that only show when its keys are read together, or against the address
+the gateway will listen on. `gateway check-config` and `gateway serve` refuse them, one line each.
+
+The schema (`config.py`) checks each key alone; these checks need the whole picture: which upstream
+names a dialect can reach, what each provider's SDK takes as `base_url`, whether the `llm`
+summarizer has a key of its own, and whether an upstream is the gateway itself (a request would
+then loop through it; at run time the proxy's hop marker stops such a loop at once, this stops it
+before the first request).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from yarl import URL
+
+from gateway.config import Settings
+
+KNOWN_UPSTREAMS = ("openai", "anthropic")  # the dialects route to these names only
+_WILDCARD = frozenset({"0.0.0.0", "::", ""})
+
+
+def problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[str]:
+    """One `dotted.key: why` line per mistake; `listen`: the (host, port) `serve` binds, if known."""
+    out = []
+    if settings.requires_client_keys() and not settings.auth.keys:
+        out.append("auth.keys: required when an upstreams.<name>.api_key is configured "
+                   "(the gateway must not lend its upstream key to anyone who can reach the port)")
+    for name, up in settings.upstreams.items():
+        if name not in KNOWN_UPSTREAMS:
+            out.append(f"upstreams.{name}: unknown upstream (known: {', '.join(KNOWN_UPSTREAMS)}); "
+                       "an OpenAI-compatible server goes under upstreams.openai")
+            continue
+        path = URL(up.base_url).path.rstrip("/")
+        if name == "anthropic" and path.endswith("/v1"):
+            out.append(f"upstreams.anthropic.base_url: {up.base_url} ends in /v1, but the Anthropic SDK's "
+                       "base_url has none (https://api.anthropic.com); drop the /v1")
+        if name == "openai" and not path.endswith("/v1"):
+            out.append(f"upstreams.openai.base_url: {up.base_url} does not end in /v1, as the OpenAI SDK's "
+                       "base_url does (https://api.openai.com/v1); add the /v1")
+    summarizer = settings.memory.summarizer
+    if settings.memory.enabled and summarizer.mode == "llm":
+        target = settings.upstreams.get(summarizer.upstream)
+        if target is None or not target.api_key:
+            out.append(f"memory.summarizer.mode: llm needs upstreams.{summarizer.upstream}.api_key (the summarizer "
+                       "never uses a client's key); set it, or use mode: extractive")
+    if listen is not None:
+        for name, up in settings.upstreams.items():
+            if points_at(up.base_url, listen):
+                out.append(f"upstreams.{name}.base_url: {up.base_url} is the gateway's own address "
+                           f"({listen[0]}:{listen[1]}); requests would loop through it; it must be "
+                           "the provider's address")
+    return out
+
+
+def _addresses(host: str, port: int) -> set[str]:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(info[4][0]) for info in infos}
+
+
+def points_at(base_url: str, listen: tuple[str, int]) -> bool:
+    """Does `base_url` reach the socket the gateway listens on?"""
+    url = URL(base_url)
+    host, port = url.host or "", url.explicit_port or (443 if url.scheme == "https" else 80)
+    if port != listen[1]:
+        return False  # no name resolution for the usual case: a provider on 443
+    targets = _addresses(host, port)
+    if listen[0] in _WILDCARD:
+        local = _addresses(socket.gethostname(), port) | {"127.0.0.1", "::1"}
+        return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in local for a in targets)
+    return bool(targets & _addresses(listen[0], port))

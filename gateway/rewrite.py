@@ -1,0 +1,588 @@
+"""The rewrite rules, in one place: what a request with memory forwards, and why.
+
+`plan(Inputs)` decides, from the stored conversation as this request extends it, the client's
+system prompt, the budget and what the conversation forwarded last: forward the whole history
+(`full`), or rewrite it into layers (state, summary, head, omitted marker, window, excerpts). Every
+rule lives here: the thresholds, where the window starts, the head, the hard budget and its
+fallback order, whether excerpts are worth recalling and how many fit, the prompt-cache cost
+choice between the rewrite and the full history, and the refusal of a turn that cannot fit at
+all. The plan says why it is what it is (`Plan.reason`, one of `REASONS`).
+
+Excerpts are the one input that needs I/O (bringing a retrieval index up to date), so planning is
+two steps: `plan()` returns a `Draft` that says whether excerpts are wanted (`Draft.wants`: for
+which window, within what budget) and `Draft.finish(picked)` returns the `Outcome` with the
+recalled messages placed. Production (memory.py) and the property tests call the same two.
+
+Positions are indices in the logical conversation (the client's history without its leading system
+prompt). A *cut* at position p lies between messages p-1 and p; it is *clean* when no tool-call group
+crosses it (a call opened before p and answered at or after p, or an item bound to its successor,
+such as a Responses reasoning item). A window starts at a clean cut that is a turn start; the head
+ends at a clean cut. Everything here is pure: the caller loads, counts, searches and renders.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from hashlib import blake2b
+
+from gateway import cost
+from gateway.config import MemorySettings
+from gateway.dialects import Dialect
+from gateway.model import ConversationView, Message, Plan, Summary
+from gateway.reconcile import Decision
+
+# Why a request went as it did (Plan.reason).
+UNDER_THRESHOLD = "under-threshold"  # short enough to go whole
+REWRITTEN = "rewritten"
+OVER_BUDGET = "over-window"  # rewritten, and the window cut to fit the context budget (fold urgent)
+NO_SAVING = "no-saving"  # the rewrite would not be smaller: the full history goes
+CHEAPER_CACHED = "cheaper-cached"  # the full history costs less with the provider's prompt cache
+NO_CLEAN_CUT = "no-clean-cut"  # the history opens inside a tool group: only the whole body is valid
+TOO_LARGE = "too-large"  # the newest turn alone does not fit: the request is refused
+# Not the plan's: no plan was made (memory.py).
+MEMORY_OFF = "memory-off"  # X-Memory: off, or memory.enabled false
+NOT_REWRITABLE = "not-rewritable"  # no history the gateway can rewrite (e.g. Responses with previous_response_id)
+OTHER_DIALECT = "other-dialect"  # the conversation id is stored in another API's format
+DEGRADED = "degraded"  # the store is unreachable: sent unchanged, not recorded
+REASONS = (UNDER_THRESHOLD, REWRITTEN, OVER_BUDGET, NO_SAVING, CHEAPER_CACHED, NO_CLEAN_CUT, TOO_LARGE)
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+def fill(template: str, **values: object) -> str:
+    """`template` with `{name}` replaced in one pass: text that itself contains `{summary}` or
+    braces (code, JSON) is never re-expanded, and unknown fields stay as written."""
+    return _FIELD.sub(lambda m: str(values[m.group(1)]) if m.group(1) in values else m.group(0), template)
+
+
+def clean_cuts(dialect: Dialect, raws: Sequence[dict]) -> list[bool]:
+    """clean[c] for c in 0..len(raws): no tool group crosses the cut before raws[c].
+
+    A result whose call is not in `raws` was opened before the slice, so every cut up to it is
+    crossed. One pass with a difference array: O(n).
+    """
+    n = len(raws)
+    diff = [0] * (n + 2)
+    opened: dict[str, int] = {}
+    for j, raw in enumerate(raws):
+        for cid in dialect.tool_results(raw):
+            diff[opened.get(cid, -1) + 1] += 1
+            diff[j + 1] -= 1
+        for cid in dialect.tool_calls(raw):
+            opened[cid] = j
+        if dialect.binds_next(raw):
+            diff[j + 1] += 1
+            diff[j + 2] -= 1
+    clean = []
+    depth = 0
+    for c in range(n + 1):
+        depth += diff[c]
+        clean.append(depth == 0)
+    return clean
+
+
+def closed_prefixes(dialect: Dialect, raws: Sequence[dict]) -> list[bool]:
+    """closed[p] for p in 0..len(raws): raws[:p] leaves no call unanswered and no item waiting
+    for its successor, whatever follows. Used for the head, whose continuation may not be loaded."""
+    closed = [True]
+    pending: set[str] = set()
+    for raw in raws:
+        pending.difference_update(dialect.tool_results(raw))
+        pending.update(dialect.tool_calls(raw))
+        closed.append(not pending and not dialect.binds_next(raw))
+    return closed
+
+
+def align_boundary(dialect: Dialect, raws: Sequence[dict], offset: int, target: int) -> int:
+    """The largest position p <= target (p = offset + index into raws) such that raws[p - offset]
+    is a turn start and no tool group crosses p; `offset` when there is none."""
+    clean = clean_cuts(dialect, raws)
+    for i in range(min(target - offset, len(raws) - 1), -1, -1):
+        if clean[i] and dialect.is_turn_start(raws[i]):
+            return offset + i
+    return offset
+
+
+def over_thresholds(messages: int, tokens: int, settings: MemorySettings) -> bool:
+    """Whether a conversation this long is rewritten: under both thresholds it goes upstream whole."""
+    return messages >= settings.message_threshold or tokens >= settings.token_threshold
+
+
+def excerpt_budget(settings: MemorySettings, history_tokens: int, layers_tokens: int, context_budget: int) -> int:
+    """Tokens the excerpts may fill for a history of `history_tokens` whose other layers (system,
+    state, summary, head, window) take `layers_tokens`: what brings the request to
+    `retrieval_target_share` of the history, at least `retrieval_budget_tokens`, at most
+    `retrieval_context_share` of the model's context budget. (`retrieval_max_share` of the history
+    bounds what the search fills: `plan`.)"""
+    grown = int(settings.retrieval_target_share * history_tokens) - layers_tokens
+    return max(0, min(max(settings.retrieval_budget_tokens, grown),
+                      int(settings.retrieval_context_share * context_budget)))
+
+
+def context_budget(context_window: int, settings: MemorySettings, max_output_tokens: int) -> int:
+    """Input tokens a request may carry: `budget_ratio` of the model's window, less its output."""
+    return int(context_window * settings.budget_ratio) - max_output_tokens
+
+
+# ---------------------------------------------------------------- the conversation as this request extends it
+
+
+@dataclass(slots=True)
+class History:
+    """The logical conversation this request makes, from the summary's coverage on.
+
+    tail: messages [tail_start, total_messages), ending with the newest turn; head: the first stored
+    messages (keep_initial of them when known, [] when tail_start is 0); total_tokens: tokens of the
+    whole logical conversation; summary: the stored one, or None when it covers turns this request
+    does not build on. stored_head: the loaded head, whose hashes stand for the head in the cost model.
+    """
+
+    head: Sequence[Message]
+    tail: list[Message]
+    tail_start: int
+    total_messages: int
+    total_tokens: int
+    summary: Summary | None
+    stored_head: Sequence[Message] = ()
+
+
+def history(view: ConversationView, decision: Decision, client: Sequence[dict], new_messages: Sequence[Message],
+            turn: Callable[[int], Message]) -> History:
+    """What this request's conversation is: the stored tail up to the decision's base (with the
+    client's own bytes where it sent them), then its new turns.
+
+    client: the client's history; turn(i): client message i as a Message, counted (used only when the
+    stored summary cannot be used and the client's history is taken from its start).
+    """
+    base = decision.base  # stored messages [0, base) this request builds on
+    summary = view.summary
+    if base < view.tail_start or (summary is not None and summary.covers > base):
+        # The request builds on a point the summary already covers (a regenerate far back, an early
+        # branch): the summary describes turns this request does not contain.
+        summary = None
+        tail = [turn(i) for i in range(0, decision.new_from)]
+        tail_start = 0
+        total_tokens = sum(t.tokens for t in tail)
+    else:
+        stored = view.tail[: base - view.tail_start]
+        if decision.action != "delta":
+            # A full-history client's message i is stored position i: forward its own bytes.
+            tail = [Message(raw=client[view.tail_start + i], role=t.role, text=t.text,
+                         tokens=t.tokens, hash=t.hash, chain=t.chain, time=t.time)
+                    for i, t in enumerate(stored)]
+        else:
+            tail = list(stored)
+        tail_start = view.tail_start
+        dropped = sum(t.tokens for t in view.tail[base - view.tail_start:])
+        total_tokens = view.tokens_total - dropped
+    tail.extend(new_messages)
+    total_tokens += sum(t.tokens for t in new_messages)
+    return History(head=view.head if tail_start > 0 else [], tail=tail, tail_start=tail_start,
+                   total_messages=tail_start + len(tail), total_tokens=total_tokens, summary=summary,
+                   stored_head=view.head)
+
+
+# ---------------------------------------------------------------- inputs and outputs
+
+
+@dataclass(slots=True)
+class Inputs:
+    """Everything a plan depends on.
+
+    system_tokens: the client's system prompt (and tools), forwarded in every case; system_hash
+    identifies it for the cost model. state_block, state_tokens: the project state already wrapped
+    with `templates.state` ("" for none). count: token counter for the texts built here (messages
+    carry their own counts). whole: the client sent its whole history (not a delta client), so a
+    `full` plan forwards the client's body. The rest is the cost model's: the request's chain
+    hashes, the tokens of its new turns, what the conversation forwarded last (`last`, None when
+    unknown), the clock, the provider's prices, and the client's body as sent (`raw`: whether the
+    provider caches the full history may depend on it).
+    """
+
+    dialect: Dialect
+    history: History
+    system_tokens: int
+    state_block: str
+    state_tokens: int
+    settings: MemorySettings
+    context_budget: int
+    count: Callable[[str], int]
+    whole: bool = True
+    system_hash: str = ""
+    chains: Sequence[str] = ()
+    new_tokens: int = 0
+    last: cost.Forwarded | None = None
+    now: float = 0.0
+    prices: cost.Prices = cost.DEFAULT_PRICES
+    raw: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """Excerpts wanted for a window starting at `window_start`: messages before it, after the head,
+    recalled for the text of `query` (with the `recent` texts as context). The block holds `budget`
+    tokens; the search fills `search_budget` (a share of the history, less the block's heading)."""
+
+    window_start: int
+    budget: int
+    search_budget: int
+    query: Message
+    recent: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The plan, and what it forwards as far as prompt caching is concerned (None when refused)."""
+
+    plan: Plan
+    forwarded: cost.Forwarded | None
+
+    @property
+    def refused(self) -> bool:
+        return self.plan.reason == TOO_LARGE
+
+
+@dataclass(slots=True)
+class _Layout:
+    """One candidate request: where the window starts, how much head, which layers."""
+
+    start: int  # absolute position of the window's first message
+    head_end: int  # messages [0, head_end) go as the head
+    state: bool
+    summary: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Layers:
+    """The layered plan before excerpts: `plan` is it without them; `finish(picked)` places the
+    recalled messages `picked` (when excerpts are wanted at all: `budget` tokens for a window
+    starting at `window_start`)."""
+
+    plan: Plan
+    window_start: int = 0
+    budget: int = 0
+    finish: Callable[[Sequence[tuple[int, Message]]], Plan] | None = None
+
+
+class Draft:
+    """A plan waiting for its excerpts: `wants` says which, `finish(picked)` gives the Outcome."""
+
+    __slots__ = ("_inputs", "_layers", "_weigh_full", "wants")
+
+    def __init__(self, inputs: Inputs, layers: _Layers, weigh_full: bool, wants: Wanted | None) -> None:
+        self._inputs, self._layers, self._weigh_full, self.wants = inputs, layers, weigh_full, wants
+
+    @property
+    def plan(self) -> Plan:
+        """The layered plan as it stands without excerpts."""
+        return self._layers.plan
+
+    def finish(self, picked: Sequence[tuple[int, Message]] = ()) -> Outcome:
+        """The plan with the recalled (position, Message) pairs `picked`, most relevant first (ignored
+        unless `wants`); refused when too large; swapped for the full history when that is cheaper."""
+        inp, layers = self._inputs, self._layers
+        plan = layers.finish(picked) if self.wants is not None and layers.finish is not None else layers.plan
+        if plan.tokens_forwarded > inp.context_budget:
+            return Outcome(replace(plan, reason=TOO_LARGE), None)
+        items = _rewrite_items(inp, plan) if plan.kind == "rewritten" else None
+        if items is not None and self._weigh_full:
+            plan = _cheaper(inp, plan, items)
+        if plan.kind == "rewritten" and items is not None:
+            record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now)
+        else:
+            h = inp.history
+            record = cost.full_record((inp.system_hash, inp.system_tokens), len(inp.chains),
+                                      inp.chains[-1] if inp.chains else "", h.total_tokens, inp.now)
+        return Outcome(plan, record)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def plan(inputs: Inputs) -> Draft:
+    """The plan for one request, up to its excerpts (see Draft).
+
+    kind "full": forward the whole conversation as is; only chosen when it is all at hand
+    (tail_start == 0 or the head reaches the tail), and plan.window then holds all of it, so a delta
+    client's request can be rendered from it. kind "rewritten": render the plan. A plan whose
+    reason is TOO_LARGE costs more than the context budget even with the newest turn alone: the
+    caller refuses the request rather than send it.
+    """
+    mem, h = inputs.settings, inputs.history
+    layers = _layers(inputs)
+    # The full history is weighed against the rewrite only when it could be forwarded instead.
+    weigh_full = (inputs.whole and mem.policy == "cost"
+                  and h.total_tokens + inputs.system_tokens <= inputs.context_budget)
+    wants = None
+    # Excerpts only add to a rewrite's bill: when the full history already costs less than the
+    # rewrite without them, it is what gets forwarded, and the search is not needed.
+    if layers.finish is not None and (not weigh_full or rewrite_may_win(inputs, layers.plan)):
+        tail = h.tail
+        query = next((t for t in reversed(tail) if inputs.dialect.is_turn_start(t.raw)), tail[-1] if tail else None)
+        # Less the block's own heading; each excerpt's header is budgeted by the index.
+        search_budget = min(layers.budget, int(mem.retrieval_max_share * h.total_tokens)) - 20
+        if query is not None and search_budget > 0:
+            wants = Wanted(layers.window_start, layers.budget, search_budget, query, [t.text for t in tail[-6:]])
+    return Draft(inputs, layers, weigh_full, wants)
+
+
+def rewrite_may_win(inputs: Inputs, plan: Plan) -> bool:
+    """Does the rewrite `plan` (no excerpts yet) cost less than the full history?"""
+    return _cheaper(inputs, plan, _rewrite_items(inputs, plan)) is plan
+
+
+def _layers(inputs: Inputs) -> _Layers:
+    """The layered plan without excerpts, and whether (and where) they are wanted."""
+    dialect, settings, h = inputs.dialect, inputs.settings, inputs.history
+    head, tail, tail_start, summary = h.head, h.tail, h.tail_start, h.summary
+    system_tokens, state_block, count = inputs.system_tokens, inputs.state_block, inputs.count
+    context_budget = inputs.context_budget
+    n = tail_start + len(tail)
+    original = h.total_tokens + system_tokens
+    # Without messages [0, tail_start) at hand, "full" could not be rendered for a delta client;
+    # a client that sent its whole history can always have its own body forwarded instead.
+    full = _full_plan(head, tail, tail_start, original, UNDER_THRESHOLD) if len(head) >= tail_start else None
+    fallback = full if full is not None or not inputs.whole else _full_plan(head, tail, tail_start, original,
+                                                                            NO_SAVING)
+    if (full is not None and not over_thresholds(h.total_messages, h.total_tokens, settings)
+            and original <= context_budget):
+        return _Layers(full)
+
+    templates = settings.templates
+    coverage = summary.covers if summary is not None else 0
+    summary_block = ""
+    if summary is not None and summary.text:
+        summary_block = fill(templates.summary, summary=summary.text, covered=summary.covers)
+    state_tokens = inputs.state_tokens if state_block else 0
+    summary_tokens = count(summary_block) if summary_block else 0
+
+    raws = [t.raw for t in tail]
+    clean = clean_cuts(dialect, raws)
+    turn_starts = [i for i in range(len(raws)) if clean[i] and dialect.is_turn_start(raws[i])]
+    # No turn start after the coverage (one long agent loop): any clean cut will do.
+    starts = turn_starts or [i for i in range(len(raws)) if clean[i]]
+    if not starts:
+        # The tail opens inside a tool group we cannot see: only the whole body is valid.
+        return _Layers(_full_plan(head, tail, tail_start, original, NO_CLEAN_CUT))
+    target = min(coverage, n - settings.keep_recent) - tail_start
+    start = _initial_start(turn_starts, [i for i in range(len(raws)) if clean[i]], target)
+
+    # The head: contiguous known messages from 0, cut at the last closed prefix <= keep_initial.
+    prefix = list(head[: min(len(head), tail_start)])
+    if len(prefix) == tail_start:
+        prefix.extend(tail)
+    prefix = prefix[: settings.keep_initial]
+    closed = closed_prefixes(dialect, [t.raw for t in prefix])
+    head_len = max(p for p in range(len(prefix) + 1) if closed[p])
+    head_cum = [0]
+    for t in prefix[:head_len]:
+        head_cum.append(head_cum[-1] + t.tokens)
+    window_cum = [0] * (len(tail) + 1)  # window_cum[i]: tokens of tail[i:]
+    for i in range(len(tail) - 1, -1, -1):
+        window_cum[i] = window_cum[i + 1] + tail[i].tokens
+
+    def marker(lay: _Layout) -> str:
+        covered = coverage if lay.summary and summary_block else 0
+        skipped = lay.start - max(covered, lay.head_end)
+        return fill(templates.omitted, count=skipped) if skipped > 0 else ""
+
+    def size(lay: _Layout) -> int:
+        m = marker(lay)
+        return (system_tokens + (state_tokens if lay.state else 0) + (summary_tokens if lay.summary else 0)
+                + head_cum[lay.head_end] + (count(m) if m else 0) + window_cum[lay.start - tail_start])
+
+    def layout(rel_start: int, *, keep_head: bool = True, state: bool = True, summ: bool = True) -> _Layout:
+        s = tail_start + rel_start
+        return _Layout(start=s, head_end=min(head_len, s) if keep_head else 0, state=state, summary=summ)
+
+    lay = layout(start)
+    forced = size(lay) > context_budget
+    if forced:
+        lay = _fit(start, [s for s in starts if s > start], layout, size, context_budget)
+
+    # A rewrite must save min_saving_share of the original when the original could go instead.
+    ceiling = original - max(1, int(settings.min_saving_share * original)) if fallback is not None else None
+    spare = context_budget - size(lay)
+    budget = min(excerpt_budget(settings, h.total_tokens, size(lay), context_budget), spare)
+    if ceiling is not None:
+        budget = min(budget, ceiling - size(lay))
+
+    def rewrite(excerpts: str, forwarded: int) -> Plan:
+        return Plan(
+            kind="rewritten",
+            state_block=state_block if lay.state else "",
+            summary_block=summary_block if lay.summary else "",
+            head=[t.raw for t in prefix[: lay.head_end]],
+            omitted_marker=marker(lay),
+            window=raws[lay.start - tail_start:],
+            excerpts_block=excerpts,
+            tokens_original=original,
+            tokens_forwarded=forwarded,
+            urgent_fold=forced,
+            reason=OVER_BUDGET if forced else REWRITTEN,
+        )
+
+    def finish(picked: Sequence[tuple[int, Message]]) -> Plan:
+        excerpts = _excerpts(picked, lay, budget, templates.excerpts, count) if picked else ""
+        forwarded = size(lay) + (count(excerpts) if excerpts else 0)
+        if not forced and excerpts and ceiling is not None and forwarded > ceiling:
+            excerpts, forwarded = "", size(lay)
+        if not forced and ceiling is not None and forwarded > ceiling and fallback is not None:
+            # A rewrite must save something, or the provider's cache of the full body wins. A summary
+            # of a short head can outweigh the messages it covers: then the client's body goes as sent.
+            return replace(fallback, reason=NO_SAVING)
+        return rewrite(excerpts, forwarded)
+
+    # Excerpts only add tokens: a layout that saves nothing without them goes full with them too.
+    wanted = (settings.retrieval.enabled and budget > 0 and lay.start > lay.head_end and not forced
+              and (ceiling is None or size(lay) <= ceiling))
+    return _Layers(finish(()), lay.start, budget, finish) if wanted else _Layers(finish(()))
+
+
+def _full_plan(head: Sequence[Message], tail: Sequence[Message], tail_start: int, original: int, reason: str) -> Plan:
+    known = [t.raw for t in tail]
+    if len(head) >= tail_start:
+        known = [t.raw for t in head[:tail_start]] + known  # the whole conversation is at hand
+    return Plan(kind="full", state_block="", summary_block="", head=[], omitted_marker="", window=known,
+                excerpts_block="", tokens_original=original, tokens_forwarded=original, reason=reason)
+
+
+# ---------------------------------------------------------------- the prompt-cache cost choice
+
+
+def _digest(text: str) -> str:
+    return blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def _rewrite_items(inputs: Inputs, plan: Plan) -> tuple[list[str], list[int], int]:
+    """The rewritten request as prompt-cache items, and its volatile tokens (excerpts onwards)."""
+    h, summary = inputs.history, inputs.history.summary
+    tail = h.tail
+    window = tail[len(tail) - len(plan.window):] if plan.window else []
+    blocks = plan.state_block + "\x1f" + plan.summary_block
+    block_tokens = (summary.tokens if summary is not None and plan.summary_block else 0)
+    block_tokens += inputs.state_tokens if plan.state_block else 0
+    head = h.stored_head[: len(plan.head)]
+    items = [inputs.system_hash, _digest(blocks)] + [t.hash for t in head]
+    tokens = [inputs.system_tokens, block_tokens] + [t.tokens for t in head]
+    if plan.omitted_marker:
+        items.append(_digest(plan.omitted_marker))
+        tokens.append(8)
+    dialect = inputs.dialect
+    cut = next((i for i in range(len(window) - 1, -1, -1) if dialect.is_turn_start(window[i].raw)), len(window))
+    stable = sum(tokens) + sum(t.tokens for t in window[:cut])
+    excerpts = max(plan.tokens_forwarded - stable - sum(t.tokens for t in window[cut:]), 0)
+    items += [t.hash for t in window[:cut]]
+    tokens += [t.tokens for t in window[:cut]]
+    if plan.excerpts_block:
+        items.append(_digest(plan.excerpts_block))
+        tokens.append(excerpts)
+    items += [t.hash for t in window[cut:]]
+    tokens += [t.tokens for t in window[cut:]]
+    return items, tokens, excerpts + sum(t.tokens for t in window[cut:])
+
+
+def _cheaper(inputs: Inputs, plan: Plan, rewrite: tuple[list[str], list[int], int]) -> Plan:
+    """The rewrite, unless the full history would be billed less once prompt caching counts.
+
+    Compared over the next `fold_batch / 2` requests: switching to the rewrite pays one cold write
+    that later requests must earn back (cost.choose)."""
+    h, prices, last, now = inputs.history, inputs.prices, inputs.last, inputs.now
+    cacheable = inputs.dialect.caches_full_history(inputs.raw)
+    full_now = cost.billed_full((inputs.system_hash, inputs.system_tokens), h.total_tokens, inputs.chains, last,
+                                now, prices, cacheable=cacheable)
+    items, tokens, volatile = rewrite
+    choice = cost.choose(
+        full_now=full_now, rewrite_now=cost.billed(items, tokens, last, now, prices),
+        full_total=inputs.system_tokens + h.total_tokens, rewrite_total=sum(tokens),
+        new=2 * inputs.new_tokens, volatile=volatile,
+        prices=prices, horizon=max(2, inputs.settings.fold_batch // 2), full_cacheable=cacheable)
+    if not choice.full:
+        return plan
+    return Plan(kind="full", state_block="", summary_block="", head=[], omitted_marker="",
+                window=[t.raw for t in h.tail], excerpts_block="", tokens_original=plan.tokens_original,
+                tokens_forwarded=plan.tokens_original, reason=CHEAPER_CACHED)
+
+
+# ---------------------------------------------------------------- layout helpers
+
+
+def _initial_start(turn_starts: list[int], cuts: list[int], target: int) -> int:
+    """Window start (index into the tail) for `target`: a turn start at or before it, else any
+    clean cut at or before it (no message lost), else the first turn start or cut after it."""
+    for group in (turn_starts, cuts):
+        before = [s for s in group if s <= target]
+        if before:
+            return before[-1]
+    for group in (turn_starts, cuts):
+        after = [s for s in group if s > target]
+        if after:
+            return after[0]
+    return cuts[0]
+
+
+def _fit(
+    current: int,
+    later: list[int],
+    layout: Callable[..., _Layout],
+    size: Callable[[_Layout], int],
+    budget: int,
+) -> _Layout:
+    """Drop the oldest window groups until the request fits; then the head, the state, the
+    summary. The newest turn always stays; what still does not fit is returned as the smallest
+    plan (its size above the budget tells the caller to refuse the request).
+
+    current, later: the window start and the later possible starts, as indices into the tail."""
+    # Cost falls as the window starts later: bisect, then step over the rare non-monotone spot
+    # (a marker whose count gains a digit).
+    lo, hi = 0, len(later)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if size(layout(later[mid])) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    for s in later[lo:]:
+        cand = layout(s)
+        if size(cand) <= budget:
+            return cand
+    newest = later[-1] if later else current
+    for cand in (layout(newest, keep_head=False),
+                 layout(newest, keep_head=False, state=False)):
+        if size(cand) <= budget:
+            return cand
+    return layout(newest, keep_head=False, state=False, summ=False)
+
+
+def _excerpts(
+    picked: Sequence[tuple[int, Message]],
+    lay: _Layout,
+    budget: int,
+    template: str,
+    count: Callable[[str], int],
+) -> str:
+    """Render recalled messages outside the head and window, most relevant first until the budget
+    is spent, then in conversation order (how a reader follows them)."""
+    seen: set[int] = set()
+    chosen: list[tuple[int, str]] = []
+    spent = count(fill(template, excerpts=""))
+    for pos, turn in picked:
+        if pos in seen or not lay.head_end <= pos < lay.start or not turn.text:
+            continue
+        seen.add(pos)
+        when = f", {turn.time}" if turn.time else ""
+        header = f"[message {pos}, {turn.role}{when}]\n"
+        # The text's count is the stored one (counted once, when the turn arrived) and includes
+        # the per-message overhead, which covers the joins: re-tokenising a block of thousands of
+        # tokens on every request would cost milliseconds.
+        needs = count(header) + max(turn.tokens, 1)
+        if spent + needs > budget:
+            continue  # a smaller, less relevant one may still fit
+        spent += needs
+        chosen.append((pos, header + turn.text))
+    if not chosen:
+        return ""
+    chosen.sort()
+    return fill(template, excerpts="\n\n".join(e for _, e in chosen))

@@ -1,0 +1,214 @@
+"""The summary's timeline: one line per session, in order; older lines re-compressed, never dropped.
+
+A session is a run of messages with no gap longer than `SESSION_GAP` between their times (and on
+one date); messages without a time continue the session before them. Each line says when, which
+messages, how the session opened, its salient terms (names, identifiers, versions, numbers: what
+"what did we do about X, and in what order" questions need) and what was decided or changed:
+
+    - 2024-01-05 09:00-09:40 (messages 0-79): opened: set up the WebSocket server; topics: Socket.io,
+      Express 4.18.2, port 3000; decided: use Redis for sessions
+
+A fold extends the timeline with the messages it takes (the last line goes on when its session
+does). Over its budget, the two oldest adjacent lines are merged into one covering both (dates,
+messages, the first opening, the terms and decisions of both, cut to a line's share), repeatedly:
+a session's date and range stay on some line whatever the length of the conversation.
+
+Pure and local: regexes over the folded messages, each bounded as `state.sentences` bounds them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from gateway import state
+from gateway.model import Message
+
+Count = Callable[[str], int]
+HEADING = "Timeline:"
+SESSION_GAP = 3600.0  # seconds between two messages that start a new session
+TERMS = 10  # salient terms a line keeps
+DECISIONS = 2  # decided/changed statements a line keeps
+OPENING_WORDS = 14
+DECISION_WORDS = 14
+
+# Names, identifiers, versions, numbers, paths: a term is a token holding a digit or a joiner
+# (snake_case, dotted, slashed), or a capitalised word inside a sentence. Linear: one pass of \S+.
+_TOKEN = re.compile(r"\S+")
+_STRIP = ".,;:!?()[]{}\"'`*"
+_DIGIT = re.compile(r"\d")
+_JOINED = re.compile(r"[A-Za-z0-9][_./:-][A-Za-z0-9]")
+_COMMON = frozenset((
+    "I", "I'm", "I've", "I'd", "I'll", "Hi", "Hello", "Hey", "Thanks", "Thank", "Can", "Could", "Would", "Should",
+    "What", "How", "Why", "When", "Where", "Which", "Who", "The", "This", "That", "These", "Those", "It", "It's",
+    "Is", "Are", "Was", "My", "Our", "We", "You", "Your", "Let", "Let's", "Please", "Also", "And", "But", "So", "If",
+    "Or", "Now", "Here", "There", "Okay", "OK", "Yes", "No", "Sure", "Great",
+))
+_LINE = re.compile(r"^- (?:(?P<start>\d{4}-\d\d-\d\d(?: \d\d:\d\d)?)(?:-(?P<endtime>\d\d:\d\d)"
+                   r"| to (?P<end>\d{4}-\d\d-\d\d(?: \d\d:\d\d)?))? )?\(messages (?P<first>\d+)-(?P<last>\d+)\): "
+                   r"(?P<body>.*)$")
+
+
+@dataclass(slots=True)
+class Line:
+    """One timeline line: a session, or several merged."""
+
+    start: str  # "2024-01-05 09:00" (or "" when no message had a time)
+    end: str
+    first: int  # message positions [first, last]
+    last: int
+    opening: str = ""
+    terms: list[str] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)  # term weights while the line is built
+
+    def render(self) -> str:
+        when = self.start
+        if self.end and self.end != self.start:
+            same_day = self.end[:10] == self.start[:10]
+            when += ("-" + self.end[11:]) if same_day and len(self.end) > 11 else " to " + self.end
+        parts = []
+        if self.opening:
+            parts.append(f"opened: {self.opening}")
+        if self.terms:
+            parts.append("topics: " + ", ".join(self.terms))
+        if self.decisions:
+            parts.append("decided: " + " | ".join(self.decisions))
+        head = f"- {when} " if when else "- "
+        return f"{head}(messages {self.first}-{self.last}): " + ("; ".join(parts) or "-")
+
+
+def parse(text: str) -> tuple[list[Line], str]:
+    """(timeline lines, the rest of the summary) of a summary text."""
+    stripped = text.lstrip()
+    if not stripped.startswith(HEADING):
+        return [], text
+    body = stripped[len(HEADING):].lstrip("\n")
+    end = body.find("\n\n")
+    block, rest = (body, "") if end < 0 else (body[:end], body[end + 2:])
+    lines = []
+    for raw in block.splitlines():
+        m = _LINE.match(raw.strip())
+        if m is None:
+            continue
+        lines.append(_from_body(m))
+    return lines, rest.strip()
+
+
+def _from_body(m: re.Match[str]) -> Line:
+    start = m["start"] or ""
+    end = m["end"] or (start[:11] + m["endtime"] if m["endtime"] else start)
+    line = Line(start=start, end=end, first=int(m["first"]), last=int(m["last"]))
+    for part in m["body"].split("; "):
+        key, _, value = part.partition(": ")
+        if key == "opened":
+            line.opening = value
+        elif key == "topics":
+            line.terms = [t for t in value.split(", ") if t]
+        elif key == "decided":
+            line.decisions = [d for d in value.split(" | ") if d]
+    return line
+
+
+def compose(lines: Sequence[Line], rest: str) -> str:
+    """The summary text: the timeline first (it is what changes least), then the rest."""
+    if not lines:
+        return rest
+    block = HEADING + "\n" + "\n".join(line.render() for line in lines)
+    return f"{block}\n\n{rest}" if rest.strip() else block
+
+
+def _stamp(time: str | None) -> tuple[str, float | None]:
+    if not time:
+        return "", None
+    try:
+        when = datetime.fromisoformat(time)
+    except ValueError:
+        return "", None
+    return when.strftime("%Y-%m-%d %H:%M"), when.timestamp()
+
+
+def _terms(text: str) -> list[str]:
+    out = []
+    for sentence in state.sentences(text):
+        first = True
+        for raw in _TOKEN.findall(sentence[:2000]):
+            token = raw.strip(_STRIP)
+            if 2 <= len(token) <= 40 and token not in _COMMON and (
+                    _DIGIT.search(token) or _JOINED.search(token) or (not first and token[0].isupper())):
+                out.append(token)
+            first = raw.endswith((".", "!", "?"))
+    return out
+
+
+def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line]:
+    """`lines` with messages [start, start+len(turns)) added: the last line goes on while its
+    session does, then a line per new session. A new list; `lines` is left as it was."""
+    out = [Line(ln.start, ln.end, ln.first, ln.last, ln.opening, list(ln.terms), list(ln.decisions),
+                Counter({t: len(ln.terms) - i for i, t in enumerate(ln.terms)})) for ln in lines]
+    _, last_seen = _stamp(out[-1].end.replace(" ", "T")) if out and out[-1].end else ("", None)
+    current = out[-1] if out and out[-1].last == start - 1 else None
+    for i, turn in enumerate(turns):
+        pos = start + i
+        stamp, seconds = _stamp(turn.time)
+        new_session = current is None or (
+            seconds is not None and last_seen is not None
+            and (seconds - last_seen > SESSION_GAP or stamp[:10] != current.end[:10]))
+        if new_session:
+            current = Line(start=stamp, end=stamp, first=pos, last=pos)
+            out.append(current)
+        assert current is not None
+        current.last = pos
+        if stamp:
+            current.end = stamp
+            if not current.start:
+                current.start = stamp
+        if seconds is not None:
+            last_seen = seconds
+        if turn.role not in ("user", "assistant"):
+            continue
+        if turn.role == "user":
+            sentences = state.sentences(turn.text)
+            if not current.opening:
+                opening = next((s for s in sentences if state.is_statement(s) or s.endswith("?")), "")
+                current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
+            current.counts.update(_terms(turn.text))
+        for sentence in state.sentences(turn.text):
+            if state.classify(sentence, turn.role) == "decisions":
+                text = state.clip_words(sentence[state.decision_at(sentence):].rstrip(". "), DECISION_WORDS)
+                text = text.replace("; ", ", ").replace(" | ", ", ")
+                current.decisions = [*current.decisions, text][-DECISIONS:]
+    for line in out:
+        line.terms = [t.replace(", ", " ").replace("; ", " ") for t, _ in line.counts.most_common(TERMS)]
+    return out
+
+
+def _merge(a: Line, b: Line) -> Line:
+    """One line for two adjacent ones: both ranges, a's opening, the terms of both (alternating, so
+    each keeps its most frequent), b's decisions (the later ones) after a's."""
+    terms: list[str] = []
+    for pair in zip(a.terms, b.terms, strict=False):
+        terms += [t for t in pair if t not in terms]
+    terms += [t for t in a.terms[len(b.terms):] + b.terms[len(a.terms):] if t not in terms]
+    return Line(start=a.start or b.start, end=b.end or a.end, first=a.first, last=b.last,
+                opening=a.opening or b.opening, terms=terms[:TERMS],
+                decisions=[*a.decisions, *b.decisions][-DECISIONS:])
+
+
+def cap(lines: list[Line], max_tokens: int, count: Count) -> list[Line]:
+    """The lines within max_tokens, never dropping one: the adjacent pair of older lines (the newest
+    stays whole) with the fewest tokens together is merged, the oldest on a tie, until they fit."""
+    out = list(lines)
+    sizes = [count(line.render()) + 1 for line in out]
+    total = sum(sizes)
+    while total > max_tokens and len(out) > 2:
+        i = min(range(len(out) - 2), key=lambda k: (sizes[k] + sizes[k + 1], k))
+        merged = _merge(out[i], out[i + 1])
+        size = count(merged.render()) + 1
+        total += size - sizes[i] - sizes[i + 1]
+        out[i: i + 2] = [merged]
+        sizes[i: i + 2] = [size]
+    return out

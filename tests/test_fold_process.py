@@ -1,0 +1,101 @@
+"""`gateway serve` computes folds in child processes (foldcpu.py): the fold's CPU never runs in the
+process that serves requests, a child that dies loses no fold, and the gateway keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from memory_helpers import Chat, Gateway, memory_gateway, user_text
+
+from gateway.app import FOLDS, METRICS
+from gateway.foldcpu import FoldOutput, ProcessCPU
+
+
+def _processes(g: Gateway) -> ProcessCPU:
+    pool = g.app[FOLDS]
+    assert pool is not None
+    assert isinstance(pool.cpu, ProcessCPU), "the in-process workers fold in a thread of the serving process"
+    return pool.cpu
+
+
+def _watch(cpu: ProcessCPU) -> tuple[list[Any], asyncio.Event]:
+    """What each fold computation returned, and an event set once one has been handed to a child."""
+    returned: list[Any] = []
+    handed = asyncio.Event()
+    call = cpu.call
+
+    async def watched(fn: Callable[..., Any], *args: Any) -> Any:
+        handed.set()
+        out = await call(fn, *args)
+        returned.append(out)
+        return out
+
+    cpu.call = watched  # type: ignore[method-assign]
+    return returned, handed
+
+
+async def _talk(chat: Chat, turns: int, start: int = 0) -> None:
+    msgs: list[dict[str, Any]] = []
+    for i in range(start, start + turns):
+        msgs.append({"role": "user", "content": user_text(i)})
+        _, text = await chat.send(msgs)
+        msgs.append({"role": "assistant", "content": text})
+
+
+async def _summary(g: Gateway, conv: str) -> dict[str, Any]:
+    status, info = await g.api("GET", conv)
+    assert status == 200, info
+    return info
+
+
+def _folds(g: Gateway, result: str) -> float:
+    return g.app[METRICS].folds.labels(result=result)._value.get()  # type: ignore[no-any-return]
+
+
+async def test_a_fold_is_computed_in_another_process(redis_url: str) -> None:
+    """The default serve config folds in a child process: the summary is committed, computed elsewhere."""
+    async with memory_gateway(redis_url) as g:
+        cpu = _processes(g)
+        returned, _ = _watch(cpu)
+        await _talk(Chat(g, "openai", "proc-1"), 6)
+        await g.settle()
+        info = await _summary(g, "proc-1")
+        assert info["summary"]["covers"] > 0
+        folds = [out for out in returned if isinstance(out, FoldOutput)]
+        assert folds and all(out.pid != os.getpid() for out in folds)
+        assert {out.pid for out in folds} <= set(cpu.pids())
+
+
+async def test_a_killed_fold_process_loses_no_fold_and_the_gateway_keeps_serving(redis_url: str) -> None:
+    """SIGKILL to the fold process while it holds a fold: the fold fails, is retried in a new process and
+    committed; requests are answered all along."""
+    async with memory_gateway(redis_url) as g:
+        cpu = _processes(g)
+        await _talk(Chat(g, "openai", "warm"), 6)  # the first fold starts the child
+        await g.settle()
+        [doomed] = cpu.pids()
+        returned, handed = _watch(cpu)
+        os.kill(doomed, signal.SIGSTOP)  # the fold handed to it cannot finish before the kill
+        try:
+            await _talk(Chat(g, "openai", "victim"), 6)
+            await asyncio.wait_for(handed.wait(), 20)
+        finally:
+            os.kill(doomed, signal.SIGKILL)
+        async with g.http.get(f"{g.url}/healthz") as r:
+            assert r.status == 200
+        await g.settle()
+        info = await _summary(g, "victim")
+        assert info["summary"]["covers"] > 0, "the fold the dead process held was not retried"
+        assert _folds(g, "error") >= 1
+        assert cpu.lost == 1
+        folds = [out for out in returned if isinstance(out, FoldOutput)]
+        assert folds and doomed not in {out.pid for out in folds}
+        # And the conversations go on being served and folded.
+        await _talk(Chat(g, "openai", "after"), 6)
+        await g.settle()
+        assert (await _summary(g, "after"))["summary"]["covers"] > 0
+

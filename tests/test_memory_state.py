@@ -1,0 +1,97 @@
+"""State from the first messages: a conversation too short to fold still gets its project state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from tests.memory_helpers import (
+    memory_gateway,
+    openai_turn,
+    store_url,  # noqa: F401 (fixture)
+)
+
+# The shipped thresholds: 16 messages stay far under them, so this conversation never folds.
+DEFAULTS = {"message_threshold": 30, "token_threshold": 8000, "keep_recent": 10, "fold_batch": 10,
+            "min_saving_share": 0.2}
+
+OPENING = [
+    "The goal is a booking service for the Lakeside climbing gym.",
+    "We decided to use PostgreSQL 16 for the bookings.",
+    "Every booking must be confirmed by email within 60 seconds.",
+    "hmm, so how do I make the query always return a list?",
+    "I've been staring at this code for hours.",
+    "Let's add the waiting list next.",
+    "Can you show the schema again?",
+    "Thanks, that works.",
+]
+
+
+async def test_a_16_message_conversation_gets_its_state(store_url: str) -> None:  # noqa: F811
+    """Goal, decision and constraint stated in the first turns of a 16-message conversation are in
+    its state (conversation API), with no fold; its question and complaint are not."""
+    async with memory_gateway(store_url, memory=DEFAULTS) as gw:
+        client = gw.openai()
+        history: list[dict[str, Any]] = []
+        for text in OPENING:
+            history.append({"role": "user", "content": text})
+            headers, reply = await openai_turn(gw, client, "short", history)
+            history.append({"role": "assistant", "content": reply})
+            assert headers["x-gateway-reason"] == "under-threshold"
+            await gw.settle()
+        assert len(history) == 16
+        status, conv = await gw.api("GET", "short")
+        assert status == 200, conv
+        assert conv["summary"] is None  # nothing was folded
+        active = {kind: [i["text"] for i in items if i["superseded_by"] is None]
+                  for kind, items in conv["state"].items() if isinstance(items, list)}
+        assert active["goal"] == [OPENING[0]]
+        assert OPENING[1] in active["decisions"]
+        assert OPENING[2] in active["constraints"]
+        everything = " ".join(t for texts in active.values() for t in texts)
+        assert "how do I" not in everything and "staring" not in everything
+        assert "PostgreSQL 16" in conv["state_rendered"]
+
+
+async def test_message_time_header_dates_the_stored_turns(store_url: str) -> None:  # noqa: F811
+    """X-Message-Time stamps the request's turns and its reply (a replay keeps the data's dates);
+    a value that is not a time is a 400 in the caller's format."""
+    async with memory_gateway(store_url, memory=DEFAULTS) as gw:
+        client = gw.openai()
+        history = [{"role": "user", "content": "We decided to use PostgreSQL 16."}]
+        await openai_turn(gw, client, "dated", history, extra_headers={"X-Message-Time": "2024-03-02T09:30:00+01:00"})
+        stored = (await gw.api("GET", "dated/messages"))[1]["data"]
+        assert [m["time"] for m in stored] == ["2024-03-02T08:30:00", "2024-03-02T08:30:00"]
+        for bad in ("last tuesday", "0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"):
+            with pytest.raises(openai.BadRequestError) as err:
+                await openai_turn(gw, client, "dated", history, extra_headers={"X-Message-Time": bad})
+            assert "X-Message-Time" in str(err.value)
+
+
+async def test_a_conversation_deleted_and_started_again_is_read_from_its_first_message(
+        store_url: str) -> None:  # noqa: F811
+    """In a project, the shared state remembers how far it read each conversation; deleting one
+    forgets that, so a new conversation under the same id gets its opening read into the state."""
+    project = {"X-Project-Id": "gym"}
+    async with memory_gateway(store_url, memory=DEFAULTS) as gw:
+        client = gw.openai()
+
+        async def talk(openings: list[str]) -> None:
+            history: list[dict[str, Any]] = []
+            for text in openings:
+                history.append({"role": "user", "content": text})
+                _, reply = await openai_turn(gw, client, "again", history, extra_headers=project)
+                history.append({"role": "assistant", "content": reply})
+                await gw.settle()
+
+        await talk(OPENING)
+        status, _ = await gw.api("DELETE", "again", headers=project)
+        assert status == 200
+        await talk(["We decided to use Kafka 3.6 for the booking events.", "Thanks.", "Show it again?"])
+        status, conv = await gw.api("GET", "again", headers=project)
+        assert status == 200, conv
+        decisions = [i["text"] for i in conv["state"]["decisions"]]
+        assert "We decided to use Kafka 3.6 for the booking events." in decisions
+        assert OPENING[1] in decisions  # the project's state outlives the conversation

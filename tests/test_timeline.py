@@ -1,0 +1,82 @@
+"""The summary's timeline: a line per session, in order, older lines merged and never dropped."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from gateway import fold, timeline
+from gateway.model import Message
+from gateway.summarizer import ExtractiveSummarizer
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def msg(role: str, text: str, time: str) -> Message:
+    return Message(raw={"role": role, "content": text}, role=role, text=text, tokens=words(text) + 4, hash="0",
+                   time=time)
+
+
+def session(day: int, topic: str, decision: str) -> list[Message]:
+    """Six messages on 2024-03-<day>, 30 s apart: the user opens on `topic`, someone decides."""
+    stamp = [f"2024-03-{day:02d}T10:{m:02d}:{s:02d}" for m in range(2) for s in (0, 30, 45)][:6]
+    return [msg("user", f"Let me start on {topic} today, with release-{day}.0 as the target.", stamp[0]),
+            msg("assistant", f"Sure. {topic} needs a plan.", stamp[1]),
+            msg("user", decision, stamp[2]),
+            msg("assistant", "Noted, that works.", stamp[3]),
+            msg("user", f"Then the {topic} tests, named test_{day}_suite.py.", stamp[4]),
+            msg("assistant", "The tests are in place.", stamp[5])]
+
+
+TOPICS = [("the PaymentGateway module", "We decided to use Stripe for card payments."),
+          ("the InvoiceStore schema", "We decided to use PostgreSQL 16 for invoices."),
+          ("the ReportBuilder export", "Let's use WeasyPrint for the PDF reports."),
+          ("the NotifyQueue worker", "We decided to use Redis streams for notifications."),
+          ("the AuditTrail log", "We'll use append-only tables for the audit log.")]
+
+
+async def fold_all(turns: list[Message], batch: int, timeline_tokens: int) -> str:
+    """Fold `turns` `batch` messages at a time, as the worker does, and return the summary text."""
+    summarizer = ExtractiveSummarizer(words)
+    text = ""
+    for start in range(0, len(turns), batch):
+        result = await fold.fold_summary(summarizer, text, turns[start:start + batch], start, max_tokens=600,
+                                         timeline_tokens=timeline_tokens)
+        text = result.text
+    return text
+
+
+async def test_the_timeline_keeps_one_line_per_session_in_order() -> None:
+    """Three sessions on three dates, folded 4 messages at a time (folds cut sessions in two): one
+    line per session, in date order, each with its message range, its opening, terms and decision."""
+    turns = [t for day, (topic, decision) in zip((2, 9, 16), TOPICS, strict=False)
+             for t in session(day, topic, decision)]
+    text = await fold_all(turns, 4, 800)
+    lines, rest = timeline.parse(text)
+    assert text.startswith("Timeline:\n") and rest  # the rest of the summary follows the timeline
+    rendered = text.split("\n\n")[0].splitlines()[1:]
+    assert len(rendered) == 3
+    assert [ln.start[:10] for ln in lines] == ["2024-03-02", "2024-03-09", "2024-03-16"]
+    assert [(ln.first, ln.last) for ln in lines] == [(0, 5), (6, 11), (12, 17)]
+    assert "PaymentGateway" in rendered[0] and "Stripe" in rendered[0] and "release-2.0" in rendered[0]
+    assert "PostgreSQL 16" in rendered[1] and "test_9_suite.py" in rendered[1]
+    assert "WeasyPrint" in rendered[2]
+
+
+async def test_older_lines_are_merged_never_dropped() -> None:
+    """Over its budget the timeline merges its older lines: every message stays on exactly one line,
+    in order, the first session's date and decision are still there, the newest line is whole."""
+    turns = [t for day, (topic, decision) in zip((2, 5, 9, 12, 16), TOPICS, strict=True)
+             for t in session(day, topic, decision)]
+    whole = timeline.parse(await fold_all(turns, 6, 10_000))[0]
+    text = await fold_all(turns, 6, 120)
+    lines, _ = timeline.parse(text)
+    assert len(whole) == 5 and 1 < len(lines) < 5
+    assert words(text.split("\n\n")[0]) <= 120 + len(lines)
+    assert lines[0].first == 0 and lines[-1].last == len(turns) - 1
+    assert all(a.last + 1 == b.first for a, b in itertools.pairwise(lines))
+    assert lines[0].start.startswith("2024-03-02")
+    assert lines[-1].render() == whole[-1].render()
+    assert re.search(r"2024-03-02 10:00 to 2024-03-\d\d", text)
