@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config import PriceSettings
+from gateway.model import Pins
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,7 @@ class Forwarded:
     tokens: tuple[int, ...]
     at: float  # monotonic seconds
     length: int = 0  # messages of a full request
+    pins: Pins | None = None  # a rewrite's excerpt blocks, kept in place by the next request (rewrite.py)
 
     @property
     def total(self) -> int:

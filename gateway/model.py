@@ -80,3 +80,30 @@ class Plan:
     tokens_forwarded: int
     urgent_fold: bool = False
     reason: str = ""  # why the request goes as it does: one of rewrite.REASONS
+    # Excerpt blocks of earlier requests kept where they were first placed: (window index of the
+    # message each sits before, the block as first forwarded), in window order.
+    pinned: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """An excerpt block an earlier request placed, kept byte for byte before the same message."""
+
+    at: int  # position of the message the block sits before (that request's newest turn)
+    hash: str  # that message's hash: another message there and the pins lapse
+    text: str
+    tokens: int
+    quoted: tuple[tuple[int, int], ...]  # (position, tokens) of the earlier messages it quotes
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """The excerpt blocks a rewrite carries, valid while its layers and window start stay as they were."""
+
+    layers: str  # digest of the state, summary, head and marker they were placed under
+    start: int  # the window's first position
+    blocks: tuple[Pin, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self.blocks)

@@ -30,7 +30,7 @@ from hashlib import blake2b
 from gateway import cost
 from gateway.config import MemorySettings
 from gateway.dialects import Dialect
-from gateway.model import ConversationView, Message, Plan, Summary
+from gateway.model import ConversationView, Message, Pin, Pins, Plan, Summary
 from gateway.reconcile import Decision
 
 # Why a request went as it did (Plan.reason).
@@ -264,6 +264,7 @@ class _Layers:
     window_start: int = 0
     budget: int = 0
     finish: Callable[[Sequence[tuple[int, Message]]], Plan] | None = None
+    pins: Callable[[Plan], Pins | None] = lambda plan: None  # what a rewrite leaves for the next request
 
 
 class Draft:
@@ -290,7 +291,7 @@ class Draft:
         if items is not None and self._weigh_full:
             plan = _cheaper(inp, plan, items)
         if plan.kind == "rewritten" and items is not None:
-            record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now)
+            record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now, pins=layers.pins(plan))
         else:
             h = inp.history
             record = cost.full_record((inp.system_hash, inp.system_tokens), len(inp.chains),
@@ -404,10 +405,21 @@ def _layers(inputs: Inputs) -> _Layers:
 
     # A rewrite must save min_saving_share of the original when the original could go instead.
     ceiling = original - max(1, int(settings.min_saving_share * original)) if fallback is not None else None
-    spare = context_budget - size(lay)
-    budget = min(excerpt_budget(settings, h.total_tokens, size(lay), context_budget), spare)
+    target = excerpt_budget(settings, h.total_tokens, size(lay), context_budget)
+    layers_key = _digest("\x1f".join((state_block if lay.state else "", summary_block if lay.summary else "",
+                                      str(lay.head_end), marker(lay))))
+    kept = _kept_pins(inputs.last, layers_key, lay.start, tail, tail_start, forced)
+    # Pins are read from the provider's cache at a tenth of the price: they stay while the request
+    # with them still fits and saves, up to twice the excerpt budget, then all go at once.
+    held = sum(p.tokens for p in kept)
+    if kept and (held > 2 * target or size(lay) + held > context_budget
+                 or (ceiling is not None and size(lay) + held > ceiling)):
+        kept, held = (), 0
+    spare = context_budget - size(lay) - held
+    budget = min(target, spare)
     if ceiling is not None:
-        budget = min(budget, ceiling - size(lay))
+        budget = min(budget, ceiling - size(lay) - held)
+    pinned_at = {pos: tokens for p in kept for pos, tokens in p.quoted}
 
     def rewrite(excerpts: str, forwarded: int) -> Plan:
         return Plan(
@@ -422,23 +434,44 @@ def _layers(inputs: Inputs) -> _Layers:
             tokens_forwarded=forwarded,
             urgent_fold=forced,
             reason=OVER_BUDGET if forced else REWRITTEN,
+            pinned=[(p.at - lay.start, p.text) for p in kept],
         )
 
+    quoted: list[tuple[int, int]] = []  # what this request's own block quotes, for its pin
+
     def finish(picked: Sequence[tuple[int, Message]]) -> Plan:
-        excerpts = _excerpts(picked, lay, budget, templates.excerpts, count) if picked else ""
-        forwarded = size(lay) + (count(excerpts) if excerpts else 0)
+        # Pinned quotes this question would recall anyway count against its budget: a conversation
+        # that keeps to its topic re-reads its excerpts from the cache instead of writing new ones.
+        relevant = sum(pinned_at.get(pos, 0) for pos, _ in picked)
+        fresh = [(pos, m) for pos, m in picked if pos not in pinned_at]
+        excerpts, chosen = (_excerpts(fresh, lay, budget - relevant, templates.excerpts, count)
+                            if fresh and budget > relevant else ("", []))
+        quoted[:] = chosen
+        forwarded = size(lay) + held + (count(excerpts) if excerpts else 0)
         if not forced and excerpts and ceiling is not None and forwarded > ceiling:
-            excerpts, forwarded = "", size(lay)
+            excerpts, forwarded = "", size(lay) + held
+            quoted.clear()
         if not forced and ceiling is not None and forwarded > ceiling and fallback is not None:
             # A rewrite must save something, or the provider's cache of the full body wins. A summary
             # of a short head can outweigh the messages it covers: then the client's body goes as sent.
             return replace(fallback, reason=NO_SAVING)
         return rewrite(excerpts, forwarded)
 
+    def pins(plan: Plan) -> Pins | None:
+        blocks = list(kept)
+        newest = next((i for i in range(len(tail) - 1, -1, -1) if dialect.is_turn_start(tail[i].raw)), None)
+        if plan.excerpts_block and quoted and newest is not None:
+            at = tail_start + newest
+            blocks.append(Pin(at, tail[newest].hash, plan.excerpts_block, count(plan.excerpts_block),
+                              tuple(quoted)))
+        return Pins(layers_key, lay.start, tuple(blocks)) if blocks else None
+
     # Excerpts only add tokens: a layout that saves nothing without them goes full with them too.
     wanted = (settings.retrieval.enabled and budget > 0 and lay.start > lay.head_end and not forced
-              and (ceiling is None or size(lay) <= ceiling))
-    return _Layers(finish(()), lay.start, budget, finish) if wanted else _Layers(finish(()))
+              and (ceiling is None or size(lay) + held <= ceiling))
+    if wanted:
+        return _Layers(finish(()), lay.start, budget, finish, pins)
+    return _Layers(finish(()), pins=pins)
 
 
 def _full_plan(head: Sequence[Message], tail: Sequence[Message], tail_start: int, original: int, reason: str) -> Plan:
@@ -472,10 +505,23 @@ def _rewrite_items(inputs: Inputs, plan: Plan) -> tuple[list[str], list[int], in
         tokens.append(8)
     dialect = inputs.dialect
     cut = next((i for i in range(len(window) - 1, -1, -1) if dialect.is_turn_start(window[i].raw)), len(window))
-    stable = sum(tokens) + sum(t.tokens for t in window[:cut])
+    pins = inputs.last.pins if inputs.last is not None and plan.pinned else None
+    pinned = {p.at: p for p in pins.blocks} if pins is not None else {}
+    start = inputs.history.total_messages - len(window)
+    for i, t in enumerate(window[:cut]):
+        pin = pinned.get(start + i)
+        if pin is not None:
+            items.append(_digest(pin.text))
+            tokens.append(pin.tokens)
+        items.append(t.hash)
+        tokens.append(t.tokens)
+    stable = sum(tokens)
+    pin = pinned.get(start + cut)  # a pin before the newest turn itself (that turn sent again)
+    if pin is not None:
+        items.append(_digest(pin.text))
+        tokens.append(pin.tokens)
+        stable += pin.tokens
     excerpts = max(plan.tokens_forwarded - stable - sum(t.tokens for t in window[cut:]), 0)
-    items += [t.hash for t in window[:cut]]
-    tokens += [t.tokens for t in window[:cut]]
     if plan.excerpts_block:
         items.append(_digest(plan.excerpts_block))
         tokens.append(excerpts)
@@ -556,17 +602,32 @@ def _fit(
     return layout(newest, keep_head=False, state=False, summ=False)
 
 
+def _kept_pins(last: cost.Forwarded | None, layers: str, start: int, tail: Sequence[Message], tail_start: int,
+               forced: bool) -> tuple[Pin, ...]:
+    """The excerpt blocks the previous request placed, when this one keeps its layers and window
+    start and still holds, at each block's place, the message it was placed before."""
+    pins = last.pins if last is not None else None
+    if forced or pins is None or pins.layers != layers or pins.start != start:
+        return ()
+    for p in pins.blocks:
+        i = p.at - tail_start
+        if not (start <= p.at and i < len(tail)) or tail[i].hash != p.hash:
+            return ()
+    return pins.blocks
+
+
 def _excerpts(
     picked: Sequence[tuple[int, Message]],
     lay: _Layout,
     budget: int,
     template: str,
     count: Callable[[str], int],
-) -> str:
+) -> tuple[str, list[tuple[int, int]]]:
     """Render recalled messages outside the head and window, most relevant first until the budget
-    is spent, then in conversation order (how a reader follows them)."""
+    is spent, then in conversation order (how a reader follows them); with the (position, tokens)
+    of those it quotes."""
     seen: set[int] = set()
-    chosen: list[tuple[int, str]] = []
+    chosen: list[tuple[int, str, int]] = []
     spent = count(fill(template, excerpts=""))
     for pos, turn in picked:
         if pos in seen or not lay.head_end <= pos < lay.start or not turn.text:
@@ -581,8 +642,8 @@ def _excerpts(
         if spent + needs > budget:
             continue  # a smaller, less relevant one may still fit
         spent += needs
-        chosen.append((pos, header + turn.text))
+        chosen.append((pos, header + turn.text, needs))
     if not chosen:
-        return ""
+        return "", []
     chosen.sort()
-    return fill(template, excerpts="\n\n".join(e for _, e in chosen))
+    return fill(template, excerpts="\n\n".join(e for _, e, _ in chosen)), [(pos, n) for pos, _, n in chosen]

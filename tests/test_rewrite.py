@@ -380,3 +380,65 @@ def test_fill_expands_each_field_once() -> None:
     """Template fields are replaced in one pass: values containing braces stay literal."""
     assert fill("{summary} ({covered})", summary="a {covered} {x}", covered=3) == "a {covered} {x} (3)"
     assert fill("{unknown}", summary="s") == "{unknown}"
+
+
+def _outcome(ts: list[Message], cov: int, picks: list[int], last: cost.Forwarded | None,
+             summary: str = "the story so far") -> rewrite.Outcome:
+    """Production's two steps for `ts` with a summary over [0, cov), `picks` recalled, after `last`."""
+    settings = MemorySettings.model_validate(
+        {"message_threshold": 4, "keep_recent": 2, "policy": "threshold", "retrieval_max_share": 1.0,
+         "retrieval_target_share": 0.0, "retrieval_budget_tokens": 60, "min_saving_share": 0.0})
+    history = History(head=[], tail=ts[cov:], tail_start=cov, total_messages=len(ts),
+                      total_tokens=sum(t.tokens for t in ts),
+                      summary=Summary(text=summary, covers=cov, version=1, tokens=count(summary)))
+    draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
+                                settings=settings, context_budget=100_000, count=count, last=last))
+    assert draft.wants is not None
+    return draft.finish([(p, ts[p]) for p in picks])
+
+
+def test_an_excerpt_stays_in_place_byte_for_byte_until_the_layers_change() -> None:
+    """Pinned excerpts: the block a request added before its newest turn is forwarded again, unchanged
+    and before the same message, by the next request on the same summary; that request quotes only
+    what the pinned block does not already hold. A new summary (a fold applied) lets the pins go."""
+    ts = turns(oa, [*chat(12), {"role": "user", "content": "question 12"}])
+    first = _outcome(ts, 16, [3, 5], None)
+    assert first.forwarded is not None and first.forwarded.pins is not None
+    block = first.plan.excerpts_block
+    assert "[message 3," in block and "[message 5," in block
+    body1 = oa.render({"model": "m", "messages": []}, first.plan, cache_control=False)["messages"]
+    at = next(i for i, m in enumerate(body1) if m["content"] == block)
+    assert body1[at + 1]["content"] == "question 12"
+
+    ts2 = ts + turns(oa, [{"role": "assistant", "content": "answer 12"}, {"role": "user", "content": "question 13"}])
+    second = _outcome(ts2, 16, [5, 7, 3], first.forwarded)
+    body2 = oa.render({"model": "m", "messages": []}, second.plan, cache_control=False)["messages"]
+    assert body2[: len(body1)] == body1  # the whole earlier request is the new one's prefix
+    new = second.plan.excerpts_block
+    assert "[message 7," in new and "[message 3," not in new and "[message 5," not in new
+    assert body2[-2]["content"] == new and body2[-1]["content"] == "question 13"
+    assert second.plan.tokens_forwarded == first.plan.tokens_forwarded + 2 * 10 + count(new)
+    # The prompt-cache model sees the pinned block as the same item in the same place.
+    assert second.forwarded is not None
+    assert second.forwarded.items[: len(first.forwarded.items) - 1] == first.forwarded.items[:-1]
+
+    folded = _outcome(ts2, 18, [5, 7, 3], second.forwarded, summary="a newer story")
+    assert folded.plan.pinned == []
+    assert all(f"[message {p}," in folded.plan.excerpts_block for p in (3, 5, 7))
+
+
+def test_pinned_excerpts_render_before_their_message_in_every_dialect() -> None:
+    """Each API shape puts a pinned block before the message it was placed before, and this request's
+    own block before its newest turn."""
+    window = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+              {"role": "user", "content": "q2"}]
+    plan = Plan(kind="rewritten", state_block="", summary_block="", head=[], omitted_marker="", window=window,
+                excerpts_block="NEW", tokens_original=100, tokens_forwarded=50, pinned=[(0, "OLD")])
+    chat_msgs = oa.render({"messages": []}, plan, cache_control=False)["messages"]
+    assert [m["content"] for m in chat_msgs] == ["OLD", "q1", "a1", "NEW", "q2"]
+    items = rs.render({"input": []}, plan, cache_control=False)["input"]
+    texts = [i["content"] if isinstance(i["content"], str) else i["content"][0]["text"] for i in items]
+    assert texts == ["OLD", "q1", "a1", "NEW", "q2"]
+    msgs = an.render({"messages": []}, plan, cache_control=False)["messages"]
+    assert [b["text"] for b in msgs[0]["content"]][:2] == ["OLD", "q1"]
+    assert [b["text"] for b in msgs[2]["content"]][:2] == ["NEW", "q2"]

@@ -17,10 +17,10 @@ from gateway.dialects.canonical import (
     GS,
     RS,
     US,
+    excerpt_notes,
     flat_text,
     int_field,
     join,
-    last_turn_start,
     model_of,
     norm_args,
     other,
@@ -330,9 +330,8 @@ class Anthropic:
         notes_at: dict[int, list[dict[str, Any]]] = {}
         if plan.omitted_marker:
             notes_at[0] = [text_block(plan.omitted_marker)]
-        if plan.excerpts_block:
-            at = last_turn_start(self, list(window))
-            notes_at.setdefault(at or 0, []).append(text_block(plan.excerpts_block))
+        for at, texts in excerpt_notes(self, plan).items():
+            notes_at.setdefault(at, []).extend(text_block(t) for t in texts)
         out: list[dict[str, Any]] = list(head)
         join = len(out)
         for i, msg in enumerate(window):

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from gateway.dialects.base import Dialect
+from gateway.model import Plan
 
 RS = "\x1e"  # between parts of a canonical form
 US = "\x1f"  # between fields of one part
@@ -108,6 +109,18 @@ def last_turn_start(dialect: Dialect, raws: list[dict[str, Any]]) -> int | None:
         if dialect.is_turn_start(raws[i]):
             return i
     return None
+
+
+def excerpt_notes(dialect: Dialect, plan: Plan) -> dict[int, list[str]]:
+    """Window index → the excerpt blocks placed before that message: the pinned ones where earlier
+    requests put them, this request's own before its newest user turn (never inside a tool group)."""
+    notes: dict[int, list[str]] = {}
+    for at, text in plan.pinned:
+        notes.setdefault(at, []).append(text)
+    if plan.excerpts_block:
+        newest = last_turn_start(dialect, list(plan.window))
+        notes.setdefault(newest or 0, []).append(plan.excerpts_block)
+    return notes
 
 
 def content_hash(dialect: Dialect, raw: dict[str, Any]) -> str:

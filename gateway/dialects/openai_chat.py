@@ -13,10 +13,10 @@ from gateway.dialects.canonical import (
     US,
     canon_parts,
     dumps,
+    excerpt_notes,
     flat_text,
     int_field,
     join,
-    last_turn_start,
     model_of,
     norm_args,
     other,
@@ -289,12 +289,10 @@ class OpenAIChat(OpenAIWire):
         out.extend(plan.head)
         if plan.omitted_marker:
             out.append({"role": voice, "content": plan.omitted_marker})
-        window = list(plan.window)
-        if plan.excerpts_block:
-            # Before the newest user turn: a user message never sits inside a tool-call group.
-            at = last_turn_start(self, window)
-            window.insert(at or 0, {"role": voice, "content": plan.excerpts_block})
-        out.extend(window)
+        notes = excerpt_notes(self, plan)
+        for i, msg in enumerate(plan.window):
+            out.extend({"role": voice, "content": text} for text in notes.get(i, ()))
+            out.append(msg)
         new = dict(body)
         new["messages"] = out
         return new

@@ -16,10 +16,10 @@ from gateway.dialects.canonical import (
     RS,
     US,
     canon_parts,
+    excerpt_notes,
     flat_text,
     int_field,
     join,
-    last_turn_start,
     model_of,
     norm_args,
     other,
@@ -240,11 +240,10 @@ class OpenAIResponses(OpenAIWire):
         out.extend(plan.head)
         if plan.omitted_marker:
             out.append(_developer_item(plan.omitted_marker))
-        window = list(plan.window)
-        if plan.excerpts_block:
-            at = last_turn_start(self, window)
-            window.insert(at or 0, _developer_item(plan.excerpts_block))
-        out.extend(window)
+        notes = excerpt_notes(self, plan)
+        for i, msg in enumerate(plan.window):
+            out.extend(_developer_item(text) for text in notes.get(i, ()))
+            out.append(msg)
         new = dict(body)
         new["input"] = out
         return new
