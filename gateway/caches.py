@@ -12,15 +12,19 @@ store stays the truth, and each cache is either checked before use or only advis
   sent it, priced for `x-gateway-cost-original` (what it would bill without the gateway).
 - `writes`: which turns this process stored, and when their replies went out. Advisory: tells a
   sibling request from an edit.
+- `held`: the layers (summary, state) the last rewrite forwarded and its messages from their
+  coverage on, so that a fold finished since can wait while the provider's cache is warm
+  (rewrite.keep_layers). Each message is checked by hash before reuse; an edit drops it.
 
-`forget(ref)` drops a conversation from all of them (delete); an edit or a fold elsewhere drops
-or reloads only the view (Memory.changed), the rest checks itself.
+`forget(ref)` drops a conversation from all of them (delete); an edit drops the view and the held
+layers, a fold elsewhere reloads the view (Memory.changed); the rest checks itself.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from hashlib import blake2b
 from typing import Any
 
@@ -31,12 +35,25 @@ from gateway.config import MemorySettings
 from gateway.cost import Forwarded
 from gateway.dialects import Dialect, content_hash
 from gateway.keys import ConvRef
+from gateway.model import Message, Summary
 from gateway.recall import RecallCache
 from gateway.reconcile import chain_hashes
 from gateway.tokens import TokenCounter
 from gateway.views import KnownViews
 
 Conv = tuple[str, str]  # (tenant, conversation): the caches' key
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The layers a rewrite forwarded, and its messages from their coverage on (tail_start)."""
+
+    project: str | None
+    summary: Summary | None
+    state_block: str
+    state_tokens: int
+    tail_start: int
+    tail: tuple[Message, ...]
 
 
 def conv_key(ref: ConvRef) -> Conv:
@@ -120,6 +137,7 @@ class ConversationCaches:
         self.recall = recall or RecallCache()
         self.forwarded: OrderedDict[Conv, Forwarded] = OrderedDict()
         self.originals: OrderedDict[Conv, Forwarded] = OrderedDict()
+        self.held: OrderedDict[Conv, Held] = OrderedDict()
         self.writes = RecentWrites(size)
         # (tenant, conversation, dialect) → the last request's messages and their hashes.
         self._last: OrderedDict[tuple[str, str, str],
@@ -134,7 +152,19 @@ class ConversationCaches:
             del self._last[key]
         self.forwarded.pop(conv, None)
         self.originals.pop(conv, None)
+        self.held.pop(conv, None)
         self.writes.forget(conv)
+
+    def edited(self, ref: ConvRef) -> None:
+        """A summary or state edit: the next request forwards it, whatever the cache holds (a state
+        edit concerns every conversation of the project)."""
+        conv = conv_key(ref)
+        for key in [k for k, h in self.held.items()
+                    if k == conv or (ref.project and k[0] == conv[0] and h.project == ref.project)]:
+            del self.held[key]
+
+    def hold(self, ref: ConvRef, held: Held) -> None:
+        bounded_put(self.held, conv_key(ref), held, self.size)
 
     def remember_forwarded(self, ref: ConvRef, record: Forwarded, original: Forwarded | None = None) -> None:
         bounded_put(self.forwarded, conv_key(ref), record, self.size)

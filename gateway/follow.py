@@ -10,6 +10,7 @@ otherwise), its own fold workers (`committed`, told by the store at once), and e
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,8 +29,10 @@ log = structlog.get_logger("gateway.memory")
 class Follower:
     """Applies every change a conversation's known view can see (see the module's docstring)."""
 
-    def __init__(self, store: Store, views: KnownViews, keep_initial: int) -> None:
+    def __init__(self, store: Store, views: KnownViews, keep_initial: int,
+                 edited: Callable[[ConvRef], None] = lambda ref: None) -> None:
         self.store, self.views, self.keep_initial = store, views, keep_initial
+        self.edited = edited  # what else this process must drop after an edit (the held layers)
         self._refreshing: dict[tuple[str, str], asyncio.Task[None]] = {}  # reloads after a fold elsewhere
         store.on_commit(self.committed)
 
@@ -56,6 +59,7 @@ class Follower:
         background, rather than after its next request."""
         if kind != "folded":
             self.views.drop_project(ref)  # a state edit concerns every conversation of the project
+            self.edited(ref)
             return
         key = conv_key(ref)
         if key in self._refreshing or not self.views.of_project(ref):

@@ -27,7 +27,7 @@ import structlog
 
 from gateway import cost, fold, paths, rewrite, state, validate
 from gateway.backlog import Backlog
-from gateway.caches import Blocks, ConversationCaches, conv_key
+from gateway.caches import Blocks, ConversationCaches, Held, conv_key
 from gateway.config import Settings
 from gateway.dialects import Dialect, content_hash
 from gateway.embed import Embedder
@@ -231,7 +231,7 @@ class Memory:
         if settings.memory.retrieval.embeddings and self.caches.recall.embedder is None:
             self.caches.recall.embedder = Embedder()  # numpy and onnxruntime are imported at first use
         self.blocks = Blocks(settings.memory, tokens)
-        self.follower = Follower(store, self.caches.views, settings.memory.keep_initial)
+        self.follower = Follower(store, self.caches.views, settings.memory.keep_initial, self.caches.edited)
         self.backlog = Backlog(settings.store.retry_queue_size, max_bytes=settings.store.retry_queue_bytes,
                                metrics=metrics)
         # The cost model's clock (monotonic seconds): tests and replays substitute their own.
@@ -453,9 +453,14 @@ class Memory:
             last=self.caches.forwarded.get(key), now=self.clock(), prices=self.prices(req.model, dialect, call.raw),
             raw=call.raw,
         )
+        inputs = self._kept_layers(req, history, inputs)
         draft = rewrite.plan(inputs)
-        outcome = draft.finish(await self._recall(req, logical, draft.wants) if draft.wants is not None else ())
+        outcome = draft.finish(await self._recall(req, inputs.history, draft.wants) if draft.wants is not None else ())
         plan = outcome.plan
+        if plan.kind == "rewritten" and inputs.whole:
+            h = inputs.history
+            self.caches.hold(req.ref, Held(req.ref.project, h.summary, inputs.state_block, inputs.state_tokens,
+                                           h.tail_start, tuple(h.tail)))
         if outcome.forwarded is None:
             raise GatewayError(400, "invalid_request_error",
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
@@ -467,6 +472,25 @@ class Memory:
             return plan, None
         rendered_body = dialect.render(call.body, plan, cache_control=mem.cache_control)
         return plan, orjson.dumps(rendered_body)
+
+    def _kept_layers(self, req: _Request, history: list[dict[str, Any]], inputs: rewrite.Inputs) -> rewrite.Inputs:
+        """`inputs` on the summary and state the last rewrite forwarded, when a fold finished since
+        is better applied later (rewrite.keep_layers); else `inputs` as they are."""
+        held = self.caches.held.get(conv_key(req.ref))
+        h = inputs.history
+        if (held is None or not inputs.whole or h.summary is None or held.summary is None
+                or held.tail_start > h.tail_start
+                or (held.summary == h.summary and held.state_block == inputs.state_block)):
+            return inputs
+        between = h.tail_start - held.tail_start
+        if between > len(held.tail) or any(held.tail[i].hash != req.hashes[held.tail_start + i]
+                                           for i in range(between)):
+            return inputs  # not the messages the held layers were forwarded with
+        # The client's own bytes, as for the rest of a whole client's tail.
+        older = [replace(t, raw=history[held.tail_start + i]) for i, t in enumerate(held.tail[:between])]
+        logical = replace(h, tail=older + h.tail, tail_start=held.tail_start, summary=held.summary)
+        kept = replace(inputs, history=logical, state_block=held.state_block, state_tokens=held.state_tokens)
+        return kept if rewrite.keep_layers(inputs, kept) else inputs
 
     def _costs(self, req: _Request, inputs: rewrite.Inputs, plan: Plan, forwarded: cost.Forwarded,
                window: int) -> cost.Forwarded:

@@ -329,6 +329,29 @@ def plan(inputs: Inputs) -> Draft:
     return Draft(inputs, layers, weigh_full, wants)
 
 
+def keep_layers(applied: Inputs, kept: Inputs) -> bool:
+    """Cache-aware folding: forward `kept` (the layers the provider has cached, a finished fold not
+    applied yet: the older summary and state, the window from their coverage on) rather than
+    `applied` (the fold's new layers)?
+
+    Yes while the kept request is a plain rewrite (within the hard budget and its saving share) and
+    costs less over the next `fold_batch / 2` requests: applying writes the new prefix once, then
+    reads a shorter one; keeping reads the longer one the provider already holds. A cold cache
+    costs both a write, so the fold goes in then."""
+    prices, last, now = applied.prices, applied.last, applied.now
+    if applied.settings.policy != "cost" or last is None or last.full or not cost.warm(last, now, prices):
+        return False
+    a, k = _layers(applied).plan, _layers(kept).plan
+    if k.kind != "rewritten" or k.reason != REWRITTEN or a.kind != "rewritten":
+        return False
+    items_a, tokens_a, _ = _rewrite_items(applied, a)
+    items_k, tokens_k, _ = _rewrite_items(kept, k)
+    later = max(2, applied.settings.fold_batch // 2) - 1
+    apply = cost.billed(items_a, tokens_a, last, now, prices) + later * prices.read * sum(tokens_a)
+    keep = cost.billed(items_k, tokens_k, last, now, prices) + later * prices.read * sum(tokens_k)
+    return keep <= apply
+
+
 def rewrite_may_win(inputs: Inputs, plan: Plan) -> bool:
     """Does the rewrite `plan` (no excerpts yet) cost less than the full history?"""
     return _cheaper(inputs, plan, _rewrite_items(inputs, plan)) is plan
@@ -408,17 +431,17 @@ def _layers(inputs: Inputs) -> _Layers:
     target = excerpt_budget(settings, h.total_tokens, size(lay), context_budget)
     layers_key = _digest("\x1f".join((state_block if lay.state else "", summary_block if lay.summary else "",
                                       str(lay.head_end), marker(lay))))
-    kept = _kept_pins(inputs.last, layers_key, lay.start, tail, tail_start, forced)
-    # Pins are read from the provider's cache at a tenth of the price: they stay while the request
-    # with them still fits and saves, up to twice the excerpt budget, then all go at once.
-    held = sum(p.tokens for p in kept)
-    if kept and (held > 2 * target or size(lay) + held > context_budget
-                 or (ceiling is not None and size(lay) + held > ceiling)):
-        kept, held = (), 0
-    spare = context_budget - size(lay) - held
-    budget = min(target, spare)
+    budget = min(target, context_budget - size(lay))
     if ceiling is not None:
-        budget = min(budget, ceiling - size(lay) - held)
+        budget = min(budget, ceiling - size(lay))
+    kept = _kept_pins(inputs.last, layers_key, lay.start, tail, tail_start, forced)
+    # Pins are read from the provider's cache at a fraction of the price. They never take the room
+    # of new excerpts: they stay while the request with them and a full excerpt budget still fits
+    # and saves, up to twice the excerpt budget, then all go at once.
+    held = sum(p.tokens for p in kept)
+    room = min(context_budget, ceiling) if ceiling is not None else context_budget
+    if kept and (held > 2 * target or size(lay) + held + max(budget, 0) > room):
+        kept, held = (), 0
     pinned_at = {pos: tokens for p in kept for pos, tokens in p.quoted}
 
     def rewrite(excerpts: str, forwarded: int) -> Plan:
@@ -440,12 +463,9 @@ def _layers(inputs: Inputs) -> _Layers:
     quoted: list[tuple[int, int]] = []  # what this request's own block quotes, for its pin
 
     def finish(picked: Sequence[tuple[int, Message]]) -> Plan:
-        # Pinned quotes this question would recall anyway count against its budget: a conversation
+        # Pinned quotes this question recalls count against its budget, in rank order: a conversation
         # that keeps to its topic re-reads its excerpts from the cache instead of writing new ones.
-        relevant = sum(pinned_at.get(pos, 0) for pos, _ in picked)
-        fresh = [(pos, m) for pos, m in picked if pos not in pinned_at]
-        excerpts, chosen = (_excerpts(fresh, lay, budget - relevant, templates.excerpts, count)
-                            if fresh and budget > relevant else ("", []))
+        excerpts, chosen = _excerpts(picked, lay, budget, templates.excerpts, count, pinned_at) if picked else ("", [])
         quoted[:] = chosen
         forwarded = size(lay) + held + (count(excerpts) if excerpts else 0)
         if not forced and excerpts and ceiling is not None and forwarded > ceiling:
@@ -622,10 +642,12 @@ def _excerpts(
     budget: int,
     template: str,
     count: Callable[[str], int],
+    pinned: dict[int, int] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render recalled messages outside the head and window, most relevant first until the budget
     is spent, then in conversation order (how a reader follows them); with the (position, tokens)
-    of those it quotes."""
+    of those it quotes. `pinned`: positions an earlier block already quotes, with their tokens:
+    they take their share of the budget where they rank, and are not quoted again."""
     seen: set[int] = set()
     chosen: list[tuple[int, str, int]] = []
     spent = count(fill(template, excerpts=""))
@@ -633,6 +655,9 @@ def _excerpts(
         if pos in seen or not lay.head_end <= pos < lay.start or not turn.text:
             continue
         seen.add(pos)
+        if pinned and pos in pinned:
+            spent += pinned[pos]
+            continue
         when = f", {turn.time}" if turn.time else ""
         header = f"[message {pos}, {turn.role}{when}]\n"
         # The text's count is the stored one (counted once, when the turn arrived) and includes

@@ -32,13 +32,16 @@ MEMORY: dict[str, Any] = {"retrieval_budget_tokens": 90, "retrieval_max_share": 
 
 
 async def _converse(g: Any, conv: str) -> list[dict[str, Any]]:
-    """The answer early on, then the filler: the answer leaves the recent window."""
+    """The answer early on, then the filler: the answer leaves the recent window. Folds finish
+    between turns, as between a user's messages, so the later turns are rewrites that search (and
+    so index) the conversation, however slow the machine."""
     client = g.openai()
     history: list[dict[str, Any]] = []
     for text in [ANSWER, *FILLER]:
         history.append({"role": "user", "content": text})
         _, reply = await openai_turn(g, client, conv, history)
         history.append({"role": "assistant", "content": reply})
+        await g.settle()
     return history
 
 
