@@ -15,7 +15,6 @@ import orjson
 from gateway.dialects.base import SSEParser, UpstreamName, as_int
 from gateway.dialects.canonical import (
     GS,
-    RS,
     US,
     excerpt_notes,
     flat_text,
@@ -25,6 +24,7 @@ from gateway.dialects.canonical import (
     norm_args,
     other,
     placeholder,
+    plain_canonical,
     string,
     text_block,
 )
@@ -266,16 +266,11 @@ class Anthropic:
         return "\n".join(_an_text(raw.get("content")))
 
     def canonical(self, raw: dict[str, Any]) -> str:
-        content = raw.get("content")
-        role = raw.get("role")
-        if type(content) is str and len(raw) == 2 and type(role) is str:
-            return role + RS + "t:" + content if content else role
-        if type(content) is list and len(content) == 1 and len(raw) == 2 and type(role) is str:
-            block = content[0]
-            if type(block) is dict and block.get("type") == "text" and len(block) == 2 and type(block["text"]) is str:
-                return role + RS + "t:" + block["text"] if block["text"] else role
+        plain = plain_canonical(raw)
+        if plain is not None:
+            return plain
         parts: list[str] = []
-        _an_parts(content, parts)
+        _an_parts(raw.get("content"), parts)
         return join(string(raw.get("role")), parts)
 
     def tool_calls(self, raw: dict[str, Any]) -> tuple[str, ...]:

@@ -128,6 +128,23 @@ def content_hash(dialect: Dialect, raw: dict[str, Any]) -> str:
     return blake2b(dialect.canonical(raw).encode(), digest_size=16).hexdigest()
 
 
+def plain_canonical(raw: dict[str, Any]) -> str | None:
+    """The canonical form of the most common message, `{"role", "content"}` with a string or a single
+    plain text part (the same string the full path gives); None for any other message. Other fields
+    (provider extras such as `reasoning_content`) are left out on purpose."""
+    content = raw.get("content")
+    role = raw.get("role")
+    if len(raw) != 2 or type(role) is not str:
+        return None
+    if type(content) is str:
+        return role + RS + "t:" + content if content else role
+    if type(content) is list and len(content) == 1:
+        part = content[0]
+        if type(part) is dict and part.get("type") == "text" and len(part) == 2 and type(part["text"]) is str:
+            return role + RS + "t:" + part["text"] if part["text"] else role
+    return None
+
+
 CHAT_TEXT = frozenset({"text"})
 RESPONSES_TEXT = frozenset({"input_text", "output_text", "text"})
 

@@ -9,7 +9,6 @@ import orjson
 
 from gateway.dialects.base import SSEParser, UpstreamName, as_int
 from gateway.dialects.canonical import (
-    RS,
     US,
     canon_parts,
     dumps,
@@ -21,6 +20,7 @@ from gateway.dialects.canonical import (
     norm_args,
     other,
     placeholder,
+    plain_canonical,
     string,
 )
 from gateway.model import DialectName, Plan, Usage
@@ -228,16 +228,10 @@ class OpenAIChat(OpenAIWire):
         return "\n".join(out)
 
     def canonical(self, raw: dict[str, Any]) -> str:
+        plain = plain_canonical(raw)  # the fast path: most messages
+        if plain is not None:
+            return plain
         content = raw.get("content")
-        role = raw.get("role")
-        if type(content) is str and len(raw) == 2 and type(role) is str:
-            # Fast path: most messages are {"role", "content": str}; same string as the slow path.
-            # Other fields (provider extras such as `reasoning_content`) are left out on purpose.
-            return role + RS + "t:" + content if content else role
-        if type(content) is list and len(content) == 1 and len(raw) == 2 and type(role) is str:
-            part = content[0]
-            if type(part) is dict and part.get("type") == "text" and len(part) == 2 and type(part["text"]) is str:
-                return role + RS + "t:" + part["text"] if part["text"] else role
         parts: list[str] = []
         name = raw.get("name")
         if isinstance(name, str) and name:
