@@ -489,7 +489,8 @@ class Memory:
         # The client's own bytes, as for the rest of a whole client's tail.
         older = [replace(t, raw=history[held.tail_start + i]) for i, t in enumerate(held.tail[:between])]
         logical = replace(h, tail=older + h.tail, tail_start=held.tail_start, summary=held.summary)
-        kept = replace(inputs, history=logical, state_block=held.state_block, state_tokens=held.state_tokens)
+        kept = replace(inputs, history=logical, state_block=held.state_block, state_tokens=held.state_tokens,
+                       held_window=sum(t.tokens for t in older))
         return kept if rewrite.keep_layers(inputs, kept) else inputs
 
     def _costs(self, req: _Request, inputs: rewrite.Inputs, plan: Plan, forwarded: cost.Forwarded,

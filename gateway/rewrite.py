@@ -217,6 +217,7 @@ class Inputs:
     now: float = 0.0
     prices: cost.Prices = cost.DEFAULT_PRICES
     raw: bytes = b""
+    held_window: int = 0  # tokens of the window a held fold (keep_layers) would have summarised
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,7 +429,8 @@ def _layers(inputs: Inputs) -> _Layers:
 
     # A rewrite must save min_saving_share of the original when the original could go instead.
     ceiling = original - max(1, int(settings.min_saving_share * original)) if fallback is not None else None
-    target = excerpt_budget(settings, h.total_tokens, size(lay), context_budget)
+    # A held fold's longer window is not taken out of the excerpts: they get what the applied fold gives.
+    target = excerpt_budget(settings, h.total_tokens, size(lay) - inputs.held_window, context_budget)
     layers_key = _digest("\x1f".join((state_block if lay.state else "", summary_block if lay.summary else "",
                                       str(lay.head_end), marker(lay))))
     budget = min(target, context_budget - size(lay))

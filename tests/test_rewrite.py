@@ -442,3 +442,26 @@ def test_pinned_excerpts_render_before_their_message_in_every_dialect() -> None:
     msgs = an.render({"messages": []}, plan, cache_control=False)["messages"]
     assert [b["text"] for b in msgs[0]["content"]][:2] == ["OLD", "q1"]
     assert [b["text"] for b in msgs[2]["content"]][:2] == ["NEW", "q2"]
+
+
+def test_a_held_fold_leaves_the_excerpt_budget_as_the_applied_fold_would() -> None:
+    """The excerpts fill up to a share of the history less the other layers; the longer window a held
+    fold forwards (rewrite.keep_layers) does not eat into them."""
+    settings = MemorySettings.model_validate(
+        {"message_threshold": 4, "keep_recent": 2, "policy": "threshold", "retrieval_max_share": 1.0,
+         "retrieval_target_share": 0.5, "retrieval_budget_tokens": 10, "min_saving_share": 0.0})
+    ts = turns(oa, [*chat(40), {"role": "user", "content": "question 40"}], tokens=50)
+
+    def wants(cov: int, held_window: int) -> rewrite.Wanted:
+        history = History(head=[], tail=ts[cov:], tail_start=cov, total_messages=len(ts),
+                          total_tokens=sum(t.tokens for t in ts),
+                          summary=Summary(text="story", covers=cov, version=1, tokens=1))
+        draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
+                                    settings=settings, context_budget=100_000, count=count,
+                                    held_window=held_window))
+        assert draft.wants is not None
+        return draft.wants
+
+    applied, held = wants(60, 0), wants(52, 8 * 50)
+    assert held.window_start == 52 and applied.window_start == 60
+    assert held.budget == applied.budget > wants(52, 0).budget
