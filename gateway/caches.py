@@ -138,6 +138,7 @@ class ConversationCaches:
         self.forwarded: OrderedDict[Conv, Forwarded] = OrderedDict()
         self.originals: OrderedDict[Conv, Forwarded] = OrderedDict()
         self.held: OrderedDict[Conv, Held] = OrderedDict()
+        self.edits = 0  # edits seen (edited), and change-channel gaps, which may have hidden some
         self.writes = RecentWrites(size)
         # (tenant, conversation, dialect) → the last request's messages and their hashes.
         self._last: OrderedDict[tuple[str, str, str],
@@ -158,13 +159,21 @@ class ConversationCaches:
     def edited(self, ref: ConvRef) -> None:
         """A summary or state edit: the next request forwards it, whatever the cache holds (a state
         edit concerns every conversation of the project)."""
+        self.edits += 1  # a request planned across this edit does not hold what it planned from
         conv = conv_key(ref)
         for key in [k for k, h in self.held.items()
                     if k == conv or (ref.project and k[0] == conv[0] and h.project == ref.project)]:
             del self.held[key]
 
-    def hold(self, ref: ConvRef, held: Held) -> None:
-        bounded_put(self.held, conv_key(ref), held, self.size)
+    def hold(self, ref: ConvRef, held: Held, edits: int) -> None:
+        """Keep `held` unless an edit (or a gap in the change channel) came since `edits` was read."""
+        if edits == self.edits:
+            bounded_put(self.held, conv_key(ref), held, self.size)
+
+    def channel_changed(self) -> None:
+        """The change channel connected or was lost: edits may have gone unseen meanwhile."""
+        self.edits += 1
+        self.held.clear()
 
     def remember_forwarded(self, ref: ConvRef, record: Forwarded, original: Forwarded | None = None) -> None:
         bounded_put(self.forwarded, conv_key(ref), record, self.size)

@@ -30,9 +30,12 @@ class Follower:
     """Applies every change a conversation's known view can see (see the module's docstring)."""
 
     def __init__(self, store: Store, views: KnownViews, keep_initial: int,
-                 edited: Callable[[ConvRef], None] = lambda ref: None) -> None:
+                 edited: Callable[[ConvRef], None] = lambda ref: None,
+                 channel: Callable[[], None] = lambda: None) -> None:
         self.store, self.views, self.keep_initial = store, views, keep_initial
-        self.edited = edited  # what else this process must drop after an edit (the held layers)
+        # What else this process must drop after an edit, and after the channel connects or is lost
+        # (edits may have gone unseen): the held layers (caches.py).
+        self.edited, self.channel = edited, channel
         self._refreshing: dict[tuple[str, str], asyncio.Task[None]] = {}  # reloads after a fold elsewhere
         store.on_commit(self.committed)
 
@@ -46,6 +49,7 @@ class Follower:
             if up != self.views.live:
                 log.info("memory.changes_followed") if up else log.warning("memory.changes_lost")
             self.views.set_live(up)
+            self.channel()
 
         try:
             await self.store.watch(self.changed, live)

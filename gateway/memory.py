@@ -231,7 +231,8 @@ class Memory:
         if settings.memory.retrieval.embeddings and self.caches.recall.embedder is None:
             self.caches.recall.embedder = Embedder()  # numpy and onnxruntime are imported at first use
         self.blocks = Blocks(settings.memory, tokens)
-        self.follower = Follower(store, self.caches.views, settings.memory.keep_initial, self.caches.edited)
+        self.follower = Follower(store, self.caches.views, settings.memory.keep_initial, self.caches.edited,
+                                 self.caches.channel_changed)
         self.backlog = Backlog(settings.store.retry_queue_size, max_bytes=settings.store.retry_queue_bytes,
                                metrics=metrics)
         # The cost model's clock (monotonic seconds): tests and replays substitute their own.
@@ -453,19 +454,21 @@ class Memory:
             last=self.caches.forwarded.get(key), now=self.clock(), prices=self.prices(req.model, dialect, call.raw),
             raw=call.raw,
         )
+        edits = self.caches.edits
         inputs = self._kept_layers(req, history, inputs)
         draft = rewrite.plan(inputs)
         outcome = draft.finish(await self._recall(req, inputs.history, draft.wants) if draft.wants is not None else ())
         plan = outcome.plan
-        if plan.kind == "rewritten" and inputs.whole:
-            h = inputs.history
-            self.caches.hold(req.ref, Held(req.ref.project, h.summary, inputs.state_block, inputs.state_tokens,
-                                           h.tail_start, tuple(h.tail)))
         if outcome.forwarded is None:
             raise GatewayError(400, "invalid_request_error",
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
                                f"the {inputs.context_budget} this model's context window allows after max output "
                                "tokens")
+        if plan.kind == "rewritten" and inputs.whole and mem.policy == "cost":
+            h = inputs.history
+            # Without their raw bodies: a held message is forwarded with the client's own bytes.
+            self.caches.hold(req.ref, Held(req.ref.project, h.summary, inputs.state_block, inputs.state_tokens,
+                                           h.tail_start, tuple(replace(t, raw={}) for t in h.tail)), edits)
         original = self._costs(req, inputs, plan, outcome.forwarded, window)
         self.caches.remember_forwarded(req.ref, outcome.forwarded, original)
         if plan.kind == "full" and inputs.whole:
@@ -479,12 +482,15 @@ class Memory:
         held = self.caches.held.get(conv_key(req.ref))
         h = inputs.history
         if (held is None or not inputs.whole or h.summary is None or held.summary is None
+                or not self.caches.views.live  # edits announced elsewhere would go unseen
                 or held.tail_start > h.tail_start
                 or (held.summary == h.summary and held.state_block == inputs.state_block)):
             return inputs
         between = h.tail_start - held.tail_start
-        if between > len(held.tail) or any(held.tail[i].hash != req.hashes[held.tail_start + i]
-                                           for i in range(between)):
+        # Chain hashes stand for the whole prefix: the same messages on the same history, not a branch.
+        chains = req.chains[held.tail_start: h.tail_start]
+        if between > len(held.tail) or any(not t.chain or t.chain != c
+                                           for t, c in zip(held.tail, chains, strict=False)):
             return inputs  # not the messages the held layers were forwarded with
         # The client's own bytes, as for the rest of a whole client's tail.
         older = [replace(t, raw=history[held.tail_start + i]) for i, t in enumerate(held.tail[:between])]

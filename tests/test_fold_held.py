@@ -81,3 +81,56 @@ async def test_a_fold_waits_for_a_cold_cache_and_an_edit_does_not(store_url: str
         assert status == 200
         headers, injected = await turn(g, chat, msgs, clock, 10)
         assert text in injected
+
+
+async def _rewritten_with_summary(g: Gateway, chat: Chat, msgs: list[dict[str, Any]], clock: Clock) -> str:
+    injected = ""
+    for _ in range(20):
+        headers, injected = await turn(g, chat, msgs, clock, 10)
+        if headers["x-gateway-context"] == "rewritten" and "## Summary" in injected:
+            return injected
+    raise AssertionError("the conversation was never rewritten with a summary")
+
+
+async def test_an_edit_made_while_a_request_is_planned_reaches_the_next_one(store_url: str) -> None:  # noqa: F811
+    """A request planned across an edit does not hold the layers it planned from: the edit goes into
+    the next request even though the provider's cache is warm."""
+    memory = {**MEMORY, "retrieval": {"enabled": True}, "retrieval_budget_tokens": 400, "min_saving_share": 0.0}
+    async with memory_gateway(store_url, memory=memory) as g:
+        g.fake.responder, g.fake.prompt_cache = reply_text, True
+        clock, chat, msgs = Clock(g), Chat(g, "openai", "race"), []
+        await _rewritten_with_summary(g, chat, msgs, clock)
+        hook = g.app[HOOK]
+        recall, edits = hook._recall, []
+        text = "EDITED: the user builds an ingest pipeline in seven stages."
+
+        async def edited_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            if not edits:  # the edit lands while this request awaits its excerpts
+                edits.append(await g.api("PUT", "race/summary", json={"text": text}))
+            return await recall(*args, **kwargs)
+
+        hook._recall = edited_meanwhile
+        await turn(g, chat, msgs, clock, 10)
+        hook._recall = recall
+        assert edits and edits[0][0] == 200, "the request never searched for excerpts"
+        _, injected = await turn(g, chat, msgs, clock, 10)
+        assert text in injected
+
+
+async def test_no_layers_are_held_while_the_change_channel_is_down(store_url: str) -> None:  # noqa: F811
+    """Edits made on another replica arrive on the change channel: while it is down (and for what was
+    held before it went down) a finished fold goes in at once."""
+    async with memory_gateway(store_url, memory=MEMORY) as g:
+        g.fake.responder, g.fake.prompt_cache = reply_text, True
+        clock, chat, msgs = Clock(g), Chat(g, "openai", "gap"), []
+        held = await _rewritten_with_summary(g, chat, msgs, clock)
+        hook = g.app[HOOK]
+        assert hook.caches.held, "nothing was held"
+        hook.follower.views.set_live(False)
+        hook.follower.channel()  # what the follower does when the channel drops
+        assert not hook.caches.held
+        for _ in range(6):
+            _, injected = await turn(g, chat, msgs, clock, 10)
+            if injected != held:
+                break
+        assert injected != held and (await stored_summary(g, "gap")).split("\n")[0] in injected
