@@ -40,6 +40,10 @@ class Forwarded:
     at: float  # monotonic seconds
     length: int = 0  # messages of a full request
     pins: Pins | None = None  # a rewrite's excerpt blocks, kept in place by the next request (rewrite.py)
+    # A full request's prefix without its newest message: (that message's predecessor's chain hash,
+    # tokens up to it). A regenerate, a retry with another last message or a question asked beside
+    # the last turn still reads that prefix from the cache.
+    before_last: tuple[str, int] | None = None
 
     @property
     def total(self) -> int:
@@ -99,6 +103,9 @@ def cached_full(system: tuple[str, int], history_tokens: int, chains: Sequence[s
     hit = system[1]
     if last.full and 0 < last.length <= len(chains) and chains[last.length - 1] == last.items[1]:
         hit = last.total
+    elif (last.full and last.before_last is not None and 1 < last.length <= len(chains) + 1
+          and chains[last.length - 2] == last.before_last[0]):
+        hit = system[1] + last.before_last[1]
     return hit if hit >= prices.min_tokens else 0
 
 
@@ -113,8 +120,13 @@ def billed_full(system: tuple[str, int], history_tokens: int, chains: Sequence[s
     return prices.read * hit + prices.write * (total - hit)
 
 
-def full_record(system: tuple[str, int], length: int, chain: str, history_tokens: int, now: float) -> Forwarded:
-    return Forwarded(True, (system[0], chain), (system[1], history_tokens), now, length)
+def full_record(system: tuple[str, int], chains: Sequence[str], history_tokens: int, last_tokens: int,
+                now: float) -> Forwarded:
+    """The record of a full request whose messages have these chain hashes; `last_tokens`: its
+    newest message's tokens."""
+    before = (chains[-2], history_tokens - last_tokens) if len(chains) > 1 else None
+    return Forwarded(True, (system[0], chains[-1] if chains else ""), (system[1], history_tokens), now,
+                     len(chains), before_last=before)
 
 
 @dataclass(frozen=True, slots=True)

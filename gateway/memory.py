@@ -506,8 +506,7 @@ class Memory:
         h, now, prices = inputs.history, inputs.now, inputs.prices
         system = (inputs.system_hash, inputs.system_tokens)
         cacheable = inputs.dialect.caches_full_history(inputs.raw)
-        original = cost.full_record(system, len(inputs.chains), inputs.chains[-1] if inputs.chains else "",
-                                    h.total_tokens, now)
+        original = cost.full_record(system, inputs.chains, h.total_tokens, h.tail[-1].tokens if h.tail else 0, now)
         req.cost_original = cost.billed_full(system, h.total_tokens, inputs.chains,
                                              self.caches.originals.get(conv_key(req.ref)), now, prices,
                                              cacheable=cacheable)

@@ -295,8 +295,8 @@ class Draft:
             record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now, pins=layers.pins(plan))
         else:
             h = inp.history
-            record = cost.full_record((inp.system_hash, inp.system_tokens), len(inp.chains),
-                                      inp.chains[-1] if inp.chains else "", h.total_tokens, inp.now)
+            record = cost.full_record((inp.system_hash, inp.system_tokens), inp.chains, h.total_tokens,
+                                      h.tail[-1].tokens if h.tail else 0, inp.now)
         return Outcome(plan, record)
 
 

@@ -24,11 +24,22 @@ def test_warm_cache_reads_the_common_prefix() -> None:
 def test_full_history_extending_the_last_full_request_reads_it_from_cache() -> None:
     """A full history that extends the previous full request is billed at read price for that prefix."""
     chains = chain_hashes(["a", "b", "c", "d"])
-    last = cost.full_record(("sys", 50), 2, chains[1], 1000, now=0.0)
+    last = cost.full_record(("sys", 50), chains[:2], 1000, 400, now=0.0)
     billed = cost.billed_full(("sys", 50), 1400, chains, last, 5.0, P, cacheable=True)
     assert billed == 0.1 * 1050 + 1.25 * 400
-    edited = chain_hashes(["a", "X", "c", "d"])  # history diverged: nothing but the system is cached
+    edited = chain_hashes(["X", "b", "c", "d"])  # history diverged: nothing but the system is cached
     assert cost.billed_full(("sys", 50), 1400, edited, last, 5.0, P, cacheable=True) == 0.1 * 50 + 1.25 * 1400
+
+
+def test_a_full_history_that_replaces_the_last_message_reads_the_rest_from_cache() -> None:
+    """A regenerate, or a question asked beside the newest turn, resends the previous full request
+    but its last message: the provider still reads everything before that message from its cache."""
+    chains = chain_hashes(["a", "b", "c"])
+    last = cost.full_record(("sys", 50), chains, 1500, 300, now=0.0)  # "c" had 300 tokens
+    beside = chain_hashes(["a", "b", "question"])
+    assert cost.billed_full(("sys", 50), 1250, beside, last, 5.0, P, cacheable=True) == 0.1 * 1250 + 1.25 * 50
+    further = chain_hashes(["a", "X", "question"])  # diverged earlier: only the system is cached
+    assert cost.billed_full(("sys", 50), 1250, further, last, 5.0, P, cacheable=True) == 0.1 * 50 + 1.25 * 1250
 
 
 def test_uncacheable_full_history_bills_every_token() -> None:

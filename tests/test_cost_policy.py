@@ -215,9 +215,9 @@ def test_a_prefix_under_the_providers_minimum_is_never_cached() -> None:
     """Providers cache only prefixes of 1,024 tokens or more: a short full history resent to a warm
     cache is billed whole, a longer one reads its prefix at the cache price."""
     p = cost.prices(Settings().price("gpt-5"))
-    last = cost.full_record(("sys", 100), 2, "c1", 800, now=0.0)
+    last = cost.full_record(("sys", 100), ["c0", "c1"], 800, 100, now=0.0)
     assert cost.billed_full(("sys", 100), 900, ["c0", "c1", "c2"], last, 10.0, p, cacheable=True) == 1000
-    last = cost.full_record(("sys", 100), 2, "c1", 2000, now=0.0)
+    last = cost.full_record(("sys", 100), ["c0", "c1"], 2000, 100, now=0.0)
     assert cost.billed_full(("sys", 100), 2100, ["c0", "c1", "c2"], last, 10.0, p,
                             cacheable=True) == pytest.approx(0.1 * 2100 + 100)
 

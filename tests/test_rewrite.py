@@ -284,7 +284,7 @@ def test_no_search_when_the_cached_full_history_costs_less_than_the_rewrite() ->
             "system_hash": "system", "chains": chains, "new_tokens": 20, "last": last, "now": 1.0})
 
     # The previous request forwarded the history up to the newest turn, whole, a second ago.
-    warm = with_cost(cost.full_record(("system", 5), len(ts) - 1, chains[-2], 20 * (len(ts) - 1), now=0.0))
+    warm = with_cost(cost.full_record(("system", 5), chains[:-1], 20 * (len(ts) - 1), 20, now=0.0))
     assert searched == [] and warm.kind == "full" and warm.reason == rewrite.CHEAPER_CACHED
     cold = with_cost(None)
     assert searched == [6] and cold.excerpts_block
