@@ -12,7 +12,11 @@ little to save and must not bill more than the plain full-history baseline.
 Standard library only, deterministic for a given --seed. Usage (defaults shown):
   python3 make_chitchat.py --conversations 5 --sessions 10 --turns-per-session 10 --seed 0 --out chitchat.jsonl
 """
-import argparse, json, random, re, sys
+import argparse
+import json
+import random
+import re
+import sys
 from datetime import datetime, timedelta
 
 BANK = {  # filler slots; none may contain a planted value (validate() checks)
@@ -58,7 +62,8 @@ Still torn between {trip} and just staying home to rest.
 The bus was late again {when}, so I ended up walking half the way.
 Someone recommended {show} to me, is it worth starting?
 Bought a fresh notebook for {hobby} ideas, which I will probably never fill.""".splitlines()
-USER_CLOSE = "Anyway, how are you?|What would you do?|Any thoughts?|Just felt like sharing.|Enough rambling.".split("|")
+USER_CLOSE = ["Anyway, how are you?", "What would you do?", "Any thoughts?", "Just felt like sharing.",
+              "Enough rambling."]
 ASSIST = """Honestly, {hobby} {day} sounds like the perfect reset.
 {hobby} is one of those things that comes back faster than you expect.
 You can never go wrong with {dish} after a long week.
@@ -82,9 +87,9 @@ A short walk afterwards might help, fresh air usually does.
 Those are the little details that end up making a week memorable.
 It sounds like you could use an evening that asks nothing of you.
 Honestly, letting a plan stay loose is underrated.""".splitlines()
-ASSIST_OPEN = "Ha, fair enough.|Oh nice.|Ah, I hear you.|Totally get that.|Sounds fun!|Oof.|Aw.".split("|")
-ASSIST_ASK = ("What made you pick that?|How are you feeling about it?|Anything planned for after?|"
-              "Want a few ideas?|Would you do it again?|What's been the best part so far?").split("|")
+ASSIST_OPEN = ["Ha, fair enough.", "Oh nice.", "Ah, I hear you.", "Totally get that.", "Sounds fun!", "Oof.", "Aw."]
+ASSIST_ASK = ["What made you pick that?", "How are you feeling about it?", "Anything planned for after?",
+              "Want a few ideas?", "Would you do it again?", "What's been the best part so far?"]
 
 VALUES = {  # planted values: distinctive, each used at most once per conversation
     "fname": "Ilse Marta Anouk Saoirse Greta Oksana Freya Dagny Mireille Thandiwe Beatrix Ottilie Solveig Zofia Linnea",
@@ -162,9 +167,9 @@ def compose(rng, candidates, seen, now, lo, hi, target_lo, head=(), tail=()):
         for s, vals in candidates:
             if len(" ".join(parts).split()) >= target - 4:
                 break
-            if s in parts or strict and now - seen.get(s, -REPEAT_GAP) < REPEAT_GAP:
+            if s in parts or (strict and now - seen.get(s, -REPEAT_GAP) < REPEAT_GAP):
                 continue
-            if len(" ".join(parts + [s] + list(tail)).split()) <= hi:
+            if len(" ".join([*parts, s, *tail]).split()) <= hi:
                 parts.append(s)
                 used.update(vals)
                 seen[s] = now
@@ -203,7 +208,7 @@ def conversation(rng, num, n_sess, turns, start):
                 dates.append(val[key])
             else:
                 val[key] = pools[key.rstrip("0123456789")].pop()
-        planted.update((i, t.format(**val)) for i, t in zip(idx, texts))
+        planted.update((i, t.format(**val)) for i, t in zip(idx, texts, strict=True))
         ev = idx[-1:] if cat == "knowledge-update" else idx
         probes_by_cat.setdefault(cat, []).append(
             {"question": question.format(**val), "answers": [val[answer]], "evidence": ev, "category": cat})
@@ -221,7 +226,8 @@ def conversation(rng, num, n_sess, turns, start):
         else:  # assistant: first reactions to what the user just said, then anything
             fits = [t for t in ASSIST if slots(t) and set(slots(t)) <= said.keys()]
             cands = [(fill(t, {k: said[k] for k in slots(t)}), {}) for t in rng.sample(fits, len(fits))]
-            cands += [(fill(t, {k: rng.choice(BANK[k]) for k in slots(t)}), {}) for t in rng.sample(ASSIST, len(ASSIST))]
+            cands += [(fill(t, {k: rng.choice(BANK[k]) for k in slots(t)}), {})
+                      for t in rng.sample(ASSIST, len(ASSIST))]
             head = [rng.choice(ASSIST_OPEN)] if rng.random() < 0.6 else []
             text, _ = compose(rng, cands, seen, i, *ASSIST_WORDS, 50, head, [rng.choice(ASSIST_ASK)])
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text,
@@ -258,7 +264,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--conversations", 5), ("--sessions", 10), ("--turns-per-session", 10), ("--seed", 0)):
         ap.add_argument(flag, type=int, default=default)
-    ap.add_argument("--out", default="/work/notes/chitchat.jsonl")
+    ap.add_argument("--out", default="chitchat.jsonl")
     args = ap.parse_args()
     if args.sessions < 4:
         sys.exit("--sessions must be at least 4 (plants, updates, and a later probe session)")
