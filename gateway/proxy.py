@@ -119,10 +119,13 @@ async def read_body(request: web.Request, seconds: float) -> bytes:
         raise GatewayError(408, None, f"the request body did not arrive within {seconds:g} s") from None
 
 
-def upstream_error(exc: UpstreamError) -> GatewayError:
+def upstream_error(exc: UpstreamError, prepared: Prepared | None = None) -> GatewayError:
+    """The 502/504 the gateway answers for an upstream that failed; with the memory layer's headers
+    (what it would have forwarded, and why), as on any response to a request naming a conversation."""
+    memory = dict(prepared.headers) if prepared is not None else {}
     if isinstance(exc, UpstreamTimeout):
-        return GatewayError(504, None, f"upstream timed out: {exc}")
-    return GatewayError(502, None, f"upstream failed: {exc}")
+        return GatewayError(504, None, f"upstream timed out: {exc}", memory)
+    return GatewayError(502, None, f"upstream failed: {exc}", memory)
 
 
 def _is_json(content_type: str) -> bool:
@@ -239,7 +242,7 @@ class Proxy:
             resp = await self.client.request(upstream.endpoint, request.method, upstream.target(request.raw_path),
                                              headers, data)
         except UpstreamError as exc:
-            raise upstream_error(exc) from exc
+            raise upstream_error(exc, prepared) from exc
         finally:
             rec.upstream_s += perf_counter() - t
         try:
@@ -258,7 +261,7 @@ class Proxy:
                 try:
                     payload = await resp.read()
                 except UpstreamError as exc:
-                    raise upstream_error(exc) from exc
+                    raise upstream_error(exc, prepared) from exc
                 finally:
                     rec.upstream_s += perf_counter() - t
                 if on_success is not None:

@@ -473,7 +473,10 @@ def _layers(inputs: Inputs) -> _Layers:
         if not forced and excerpts and ceiling is not None and forwarded > ceiling:
             excerpts, forwarded = "", size(lay) + held
             quoted.clear()
-        if not forced and ceiling is not None and forwarded > ceiling and fallback is not None:
+        # (Forced by the hard budget too, when the client's own body fits it: dropping layers to fit
+        # can leave a request no smaller than the one the client sent.)
+        if (ceiling is not None and forwarded > ceiling and fallback is not None
+                and (not forced or original <= context_budget)):
             # A rewrite must save something, or the provider's cache of the full body wins. A summary
             # of a short head can outweigh the messages it covers: then the client's body goes as sent.
             return replace(fallback, reason=NO_SAVING)

@@ -216,3 +216,18 @@ async def test_stream_that_arrived_undecodable_is_502() -> None:
             status, _, body = await call(url + "/v1/messages", data=b'{"stream": true}', headers=JSON)
     assert status == 502 and anthropic_shaped(body)
     assert "does not decode" in body["error"]["message"]
+
+
+async def test_upstream_unreachable_still_says_what_memory_would_have_forwarded(fake: FakeUpstream) -> None:
+    """A request naming a conversation gets the memory headers on the gateway's own 502 too."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = fake.settings(upstreams={"openai": {"base_url": f"http://127.0.0.1:{port}/v1"}})
+    body = b'{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello"}]}'
+    async with serve_app(create_app(settings)) as url:
+        status, headers, err = await call(url + "/v1/chat/completions", data=body,
+                                          headers={**JSON, "Authorization": "Bearer sk-test", "X-Conversation-Id": "c"})
+    assert status == 502 and openai_shaped(err)
+    assert headers["x-gateway-context"] == "full" and headers["x-gateway-reason"] == "under-threshold"
+    assert int(headers["x-gateway-tokens-original"]) > 0
