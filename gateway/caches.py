@@ -14,7 +14,7 @@ store stays the truth, and each cache is either checked before use or only advis
   sibling request from an edit.
 - `held`: the layers (summary, state) the last rewrite forwarded and its messages from their
   coverage on, so that a fold finished since can wait while the provider's cache is warm
-  (rewrite.keep_layers). Each message is checked by hash before reuse; an edit drops it.
+  (rewrite.keep_layers). Each message is checked by chain hash before reuse; an edit drops it.
 
 `forget(ref)` drops a conversation from all of them (delete); an edit drops the view and the held
 layers, a fold elsewhere reloads the view (Memory.changed); the rest checks itself.
