@@ -463,13 +463,15 @@ def _layers(inputs: Inputs) -> _Layers:
         )
 
     quoted: list[tuple[int, int]] = []  # what this request's own block quotes, for its pin
+    block = [0]  # and its tokens (counted once: a block of thousands of tokens takes milliseconds)
 
     def finish(picked: Sequence[tuple[int, Message]]) -> Plan:
         # Pinned quotes this question recalls count against its budget, in rank order: a conversation
         # that keeps to its topic re-reads its excerpts from the cache instead of writing new ones.
         excerpts, chosen = _excerpts(picked, lay, budget, templates.excerpts, count, pinned_at) if picked else ("", [])
         quoted[:] = chosen
-        forwarded = size(lay) + held + (count(excerpts) if excerpts else 0)
+        block[0] = count(excerpts) if excerpts else 0
+        forwarded = size(lay) + held + block[0]
         if not forced and excerpts and ceiling is not None and forwarded > ceiling:
             excerpts, forwarded = "", size(lay) + held
             quoted.clear()
@@ -487,8 +489,7 @@ def _layers(inputs: Inputs) -> _Layers:
         newest = next((i for i in range(len(tail) - 1, -1, -1) if dialect.is_turn_start(tail[i].raw)), None)
         if plan.excerpts_block and quoted and newest is not None:
             at = tail_start + newest
-            blocks.append(Pin(at, tail[newest].hash, plan.excerpts_block, count(plan.excerpts_block),
-                              tuple(quoted)))
+            blocks.append(Pin(at, tail[newest].hash, plan.excerpts_block, block[0], tuple(quoted)))
         return Pins(layers_key, lay.start, tuple(blocks)) if blocks else None
 
     # Excerpts only add tokens: a layout that saves nothing without them goes full with them too.
