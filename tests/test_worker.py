@@ -94,15 +94,24 @@ async def test_sequence_20_then_30(store: Store, upstream: FakeUpstream) -> None
     await summarizer.close()
 
 
-async def test_turns_arriving_during_a_fold_stay_in_the_window(store: Store, upstream: FakeUpstream) -> None:
-    """Turns appended while the summarizer runs stay in the window; the commit succeeds (prefix unchanged)."""
+async def _fold_held_open(store: Store, upstream: FakeUpstream, metrics: Metrics | None = None,
+                          ) -> tuple[Any, asyncio.Task[Any]]:
+    """20 stored messages, their fold running and held inside its summarizer call (upstream.gate):
+    the summarizer, and the worker's task (released by upstream.gate.set())."""
     settings = llm_settings(upstream.url)
     summarizer = build_summarizer(settings, count)
     await add(store, REF, numbered(0, 20))
     await store.enqueue_fold(REF)
     upstream.gate = asyncio.Event()
-    task = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, name="w1").run(burst=True))
+    task = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, metrics=metrics,
+                                                 name="w1").run(burst=True))
     await asyncio.wait_for(upstream.entered.wait(), 5)
+    return summarizer, task
+
+
+async def test_turns_arriving_during_a_fold_stay_in_the_window(store: Store, upstream: FakeUpstream) -> None:
+    """Turns appended while the summarizer runs stay in the window; the commit succeeds (prefix unchanged)."""
+    summarizer, task = await _fold_held_open(store, upstream)
     await add(store, REF, numbered(20, 6))
     upstream.gate.set()
     await asyncio.wait_for(task, 10)
@@ -115,13 +124,7 @@ async def test_turns_arriving_during_a_fold_stay_in_the_window(store: Store, ups
 async def test_turns_that_call_for_another_fold_during_a_fold_get_it(store: Store, upstream: FakeUpstream) -> None:
     """Turns arriving during a fold that make the next fold due (their requests could not queue it: one
     job per conversation) are folded once the first fold finishes, without another request."""
-    settings = llm_settings(upstream.url)
-    summarizer = build_summarizer(settings, count)
-    await add(store, REF, numbered(0, 20))
-    await store.enqueue_fold(REF)
-    upstream.gate = asyncio.Event()
-    task = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, name="w1").run(burst=True))
-    await asyncio.wait_for(upstream.entered.wait(), 5)
+    summarizer, task = await _fold_held_open(store, upstream)
     await add(store, REF, numbered(20, 20))
     assert not await store.enqueue_fold(REF)  # what the request path would do: refused, a job is queued
     upstream.gate.set()
@@ -134,15 +137,8 @@ async def test_turns_that_call_for_another_fold_during_a_fold_get_it(store: Stor
 
 async def test_branch_during_a_fold_cancels_it(store: Store, upstream: FakeUpstream) -> None:
     """A branch that lands while the summarizer runs makes the commit fail; nothing is lost, no stale summary."""
-    settings = llm_settings(upstream.url)
-    summarizer = build_summarizer(settings, count)
     metrics = Metrics()
-    await add(store, REF, numbered(0, 20))
-    await store.enqueue_fold(REF)
-    upstream.gate = asyncio.Event()
-    task = asyncio.create_task(worker.FoldWorker(store, settings, summarizer, metrics=metrics,
-                                                 name="w1").run(burst=True))
-    await asyncio.wait_for(upstream.entered.wait(), 5)
+    summarizer, task = await _fold_held_open(store, upstream, metrics)
     chains = await store.chains(REF)
     branched = await store.branch(REF, at=4, base_chain=chains[3], dialect="openai_chat",
                                   turns=[make_turn("user", "a different question"), make_turn("assistant", "answer")])
