@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from hashlib import blake2b
 from typing import Any
 
@@ -166,9 +166,21 @@ class ConversationCaches:
             del self.held[key]
 
     def hold(self, ref: ConvRef, held: Held, edits: int) -> None:
-        """Keep `held` unless an edit (or a gap in the change channel) came since `edits` was read."""
-        if edits == self.edits:
-            bounded_put(self.held, conv_key(ref), held, self.size)
+        """Keep `held` unless an edit (or a gap in the change channel) came since `edits` was read.
+        Its messages are kept without their raw bodies (a held message is forwarded with the
+        client's own bytes); the copies already held for the same positions are reused."""
+        if edits != self.edits:
+            return
+        key = conv_key(ref)
+        before = self.held.get(key)
+        reuse: tuple[Message, ...] = ()
+        if before is not None and before.tail_start == held.tail_start and before.tail:
+            n = len(before.tail)
+            # A chain hash stands for its whole prefix: one comparison tells the copies still apply.
+            if n <= len(held.tail) and before.tail[-1].chain and before.tail[-1].chain == held.tail[n - 1].chain:
+                reuse = before.tail
+        tail = reuse + tuple(replace(t, raw={}) for t in held.tail[len(reuse):])
+        bounded_put(self.held, key, replace(held, tail=tail), self.size)
 
     def channel_changed(self) -> None:
         """The change channel connected or was lost: edits may have gone unseen meanwhile."""

@@ -455,8 +455,8 @@ class Memory:
             raw=call.raw,
         )
         edits = self.caches.edits
-        inputs = self._kept_layers(req, history, inputs)
-        draft = rewrite.plan(inputs)
+        draft = rewrite.plan(inputs, self._kept_layers(req, history, inputs))
+        inputs = draft.inputs
         outcome = draft.finish(await self._recall(req, inputs.history, draft.wants) if draft.wants is not None else ())
         plan = outcome.plan
         if outcome.forwarded is None:
@@ -466,9 +466,8 @@ class Memory:
                                "tokens")
         if plan.kind == "rewritten" and inputs.whole and mem.policy == "cost":
             h = inputs.history
-            # Without their raw bodies: a held message is forwarded with the client's own bytes.
             self.caches.hold(req.ref, Held(req.ref.project, h.summary, inputs.state_block, inputs.state_tokens,
-                                           h.tail_start, tuple(replace(t, raw={}) for t in h.tail)), edits)
+                                           h.tail_start, tuple(h.tail)), edits)
         original = self._costs(req, inputs, plan, outcome.forwarded, window)
         self.caches.remember_forwarded(req.ref, outcome.forwarded, original)
         if plan.kind == "full" and inputs.whole:
@@ -476,28 +475,28 @@ class Memory:
         rendered_body = dialect.render(call.body, plan, cache_control=mem.cache_control)
         return plan, orjson.dumps(rendered_body)
 
-    def _kept_layers(self, req: _Request, history: list[dict[str, Any]], inputs: rewrite.Inputs) -> rewrite.Inputs:
+    def _kept_layers(self, req: _Request, history: list[dict[str, Any]],
+                     inputs: rewrite.Inputs) -> rewrite.Inputs | None:
         """`inputs` on the summary and state the last rewrite forwarded, when a fold finished since
-        is better applied later (rewrite.keep_layers); else `inputs` as they are."""
+        (rewrite.plan weighs the two: rewrite.keep_layers); None when there is nothing held to keep."""
         held = self.caches.held.get(conv_key(req.ref))
         h = inputs.history
         if (held is None or not inputs.whole or h.summary is None or held.summary is None
                 or not self.caches.views.live  # edits announced elsewhere would go unseen
                 or held.tail_start > h.tail_start
                 or (held.summary == h.summary and held.state_block == inputs.state_block)):
-            return inputs
+            return None
         between = h.tail_start - held.tail_start
         # Chain hashes stand for the whole prefix: the same messages on the same history, not a branch.
         chains = req.chains[held.tail_start: h.tail_start]
         if between > len(held.tail) or any(not t.chain or t.chain != c
                                            for t, c in zip(held.tail, chains, strict=False)):
-            return inputs  # not the messages the held layers were forwarded with
+            return None  # not the messages the held layers were forwarded with
         # The client's own bytes, as for the rest of a whole client's tail.
         older = [replace(t, raw=history[held.tail_start + i]) for i, t in enumerate(held.tail[:between])]
         logical = replace(h, tail=older + h.tail, tail_start=held.tail_start, summary=held.summary)
-        kept = replace(inputs, history=logical, state_block=held.state_block, state_tokens=held.state_tokens,
+        return replace(inputs, history=logical, state_block=held.state_block, state_tokens=held.state_tokens,
                        held_window=sum(t.tokens for t in older))
-        return kept if rewrite.keep_layers(inputs, kept) else inputs
 
     def _costs(self, req: _Request, inputs: rewrite.Inputs, plan: Plan, forwarded: cost.Forwarded,
                window: int) -> cost.Forwarded:

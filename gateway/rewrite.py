@@ -277,6 +277,11 @@ class Draft:
         self._inputs, self._layers, self._weigh_full, self.wants = inputs, layers, weigh_full, wants
 
     @property
+    def inputs(self) -> Inputs:
+        """What the plan was made from (the kept layers' inputs, when plan() chose those)."""
+        return self._inputs
+
+    @property
     def plan(self) -> Plan:
         """The layered plan as it stands without excerpts."""
         return self._layers.plan
@@ -303,7 +308,7 @@ class Draft:
 # ---------------------------------------------------------------- the plan
 
 
-def plan(inputs: Inputs) -> Draft:
+def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
     """The plan for one request, up to its excerpts (see Draft).
 
     kind "full": forward the whole conversation as is; only chosen when it is all at hand
@@ -311,9 +316,16 @@ def plan(inputs: Inputs) -> Draft:
     client's request can be rendered from it. kind "rewritten": render the plan. A plan whose
     reason is TOO_LARGE costs more than the context budget even with the newest turn alone: the
     caller refuses the request rather than send it.
+
+    kept: the same request on the layers the provider has cached (a finished fold not applied
+    yet), planned instead of `inputs` when `keep_layers` says so.
     """
-    mem, h = inputs.settings, inputs.history
     layers = _layers(inputs)
+    if kept is not None:
+        held = _layers(kept)
+        if keep_layers(inputs, kept, layers.plan, held.plan):
+            inputs, layers = kept, held
+    mem, h = inputs.settings, inputs.history
     # The full history is weighed against the rewrite only when it could be forwarded instead.
     weigh_full = (inputs.whole and mem.policy == "cost"
                   and h.total_tokens + inputs.system_tokens <= inputs.context_budget)
@@ -330,10 +342,10 @@ def plan(inputs: Inputs) -> Draft:
     return Draft(inputs, layers, weigh_full, wants)
 
 
-def keep_layers(applied: Inputs, kept: Inputs) -> bool:
+def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan) -> bool:
     """Cache-aware folding: forward `kept` (the layers the provider has cached, a finished fold not
     applied yet: the older summary and state, the window from their coverage on) rather than
-    `applied` (the fold's new layers)?
+    `applied` (the fold's new layers)? `a`, `k`: their layered plans before excerpts.
 
     Yes while the kept request is a plain rewrite (within the hard budget and its saving share) and
     costs less over the next `fold_batch / 2` requests: applying writes the new prefix once, then
@@ -342,7 +354,6 @@ def keep_layers(applied: Inputs, kept: Inputs) -> bool:
     prices, last, now = applied.prices, applied.last, applied.now
     if applied.settings.policy != "cost" or last is None or last.full or not cost.warm(last, now, prices):
         return False
-    a, k = _layers(applied).plan, _layers(kept).plan
     if k.kind != "rewritten" or k.reason != REWRITTEN or a.kind != "rewritten":
         return False
     items_a, tokens_a, _ = _rewrite_items(applied, a)
