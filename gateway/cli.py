@@ -52,6 +52,11 @@ def _print_problems(exc: ConfigError) -> None:
 
 
 def check_config(args: argparse.Namespace) -> int:
+    if args.path is not None:
+        if args.config is not None and args.config != args.path:
+            print(f"two config files given ({args.path} and --config {args.config}): name one", file=sys.stderr)
+            return 2
+        args.config = args.path
     path = resolve_path(args.config)
     try:
         settings = _load(args.config)
@@ -166,6 +171,8 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate a config file, naming each wrong key")
     c.add_argument("--config", help=config_help)
+    # `gateway check-config my.yaml` is what people type first.
+    c.add_argument("path", nargs="?", metavar="PATH", help="the config file (same as --config)")
     c.set_defaults(run=check_config)
 
     w = sub.add_parser("worker", help="run fold workers only (scale-out)")

@@ -45,6 +45,20 @@ def test_check_config_ok_prints_summary(tmp_path: Path, capsys: pytest.CaptureFi
     assert "sk-secret-upstream" not in out and "hunter2" not in out
 
 
+def test_check_config_takes_the_file_as_its_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gateway check-config FILE` checks FILE, as --config FILE does; two different files are refused."""
+    p = tmp_path / "bad.yaml"
+    p.write_text("memory:\n  keep_recnt: 5\n")
+    assert cli.main(["check-config", str(p)]) == 1
+    assert "memory.keep_recnt: unknown key" in capsys.readouterr().err
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("memory:\n  keep_recent: 5\n")
+    assert cli.main(["check-config", str(ok)]) == 0
+    assert str(ok) in capsys.readouterr().out
+    assert cli.main(["check-config", str(ok), "--config", str(p)]) == 2
+    assert "name one" in capsys.readouterr().err
+
+
 def test_check_config_upstream_key_requires_client_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An upstream api_key without auth.keys is rejected: nobody could use the gateway, or everybody could."""
     p = tmp_path / "c.yaml"
