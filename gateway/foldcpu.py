@@ -216,9 +216,6 @@ def _start_child(settings: Settings) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), name="fold-parent-watch", daemon=True).start()
-    # Fold CPU is background work: on a busy machine the gateway's event loop (the requests) runs first.
-    with contextlib.suppress(OSError):
-        os.nice(10)
     counter = TokenCounter(settings.models)
     model = settings.memory.summarizer.model
     summarizer = build_summarizer(settings, lambda text: counter.count(text, model), mode="extractive")
