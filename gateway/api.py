@@ -83,6 +83,7 @@ class ConversationAPI:
 
     @property
     def activity(self) -> Activity:
+        self.store  # noqa: B018 (the activity lives in the store: with memory off, the same 404)
         return self.app[self._activity_key]  # type: ignore[no-any-return]
 
     async def _fresh(self) -> None:

@@ -199,6 +199,9 @@ class Proxy:
         if memory and self.hook is not None and ident.anonymous and rec.conversation:
             # Without a credential there is no tenant to keep it for: passed through, never shared.
             prepared = Prepared(None, {"x-gateway-context": "passthrough", "x-gateway-reason": "no-credential"})
+        elif memory and self.hook is None and rec.conversation:
+            # memory.enabled: false. Said on the response, or a user tuning thresholds sees nothing happen.
+            prepared = Prepared(None, {"x-gateway-context": "passthrough", "x-gateway-reason": "memory-off"})
         elif remember and self.hook is not None and body is not None:
             prepared = await self.hook.prepare(Call(dialect, request.path, body, raw, headers,
                                                     ident.credential, ident.tenant, stream))

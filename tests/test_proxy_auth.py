@@ -147,3 +147,21 @@ async def test_credentials_never_logged(fake: FakeUpstream) -> None:
     assert text.count('"event":"request"') == 4
     for secret in (UPSTREAM_OPENAI, GATEWAY_KEY, "sk-wrong-SECRET4", "sk-ant-user-SECRET5", "SECRET"):
         assert secret not in text
+
+
+async def test_with_memory_off_the_conversation_api_is_a_404_and_responses_say_why(forwarding: str) -> None:
+    """memory.enabled: false: every /gateway/ route answers 404 naming the setting (not a 500), and a
+    request that names a conversation is relayed with `x-gateway-reason: memory-off`."""
+    auth = {"Authorization": "Bearer sk-client"}
+    async with aiohttp.ClientSession() as http:
+        for path in ("/gateway/conversations", "/gateway/stats", "/gateway/conversations/c1",
+                     "/gateway/conversations/c1/messages"):
+            async with http.get(forwarding + path, headers=auth) as r:
+                body = await r.json()
+                assert r.status == 404, (path, body)
+                assert "memory.enabled" in body["error"]["message"]
+        async with http.post(forwarding + "/v1/chat/completions", headers={**auth, "X-Conversation-Id": "c1"},
+                             json={"model": "gpt-test", "messages": MESSAGES}) as r:
+            assert r.status == 200
+            assert r.headers["x-gateway-context"] == "passthrough"
+            assert r.headers["x-gateway-reason"] == "memory-off"
