@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import sys
 from collections.abc import AsyncIterator
@@ -293,6 +294,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends `--serve`
             asyncio.run(run(turns, bool(getattr(args, "serve", False)), port))
+    except BrokenPipeError:
+        # `gateway demo | head`: the reader left. Nothing to report, and nothing more to print to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as exc:
         print(f"gateway demo: cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}): "
               "is a gateway already running there? Choose another port with --port.", file=sys.stderr)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
+import sys
+
 import aiohttp
 import pytest
 
@@ -25,3 +29,11 @@ async def test_demo_saves_on_the_coding_conversation_and_says_why_not_on_the_sho
     out = capsys.readouterr().out
     assert "bill: full" in out and "cheaper-cached" in out
     assert f"{coding.cost_original - coding.cost_forwarded} saved" in out
+
+
+def test_demo_piped_into_head_ends_quietly() -> None:
+    """`gateway demo | head -2`: the reader leaving is no error (it once blamed a busy port)."""
+    proc = subprocess.run(f"{shlex.quote(sys.executable)} -m gateway demo --turns 30 | head -2",
+                          shell=True, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.stdout.count("\n") == 2
+    assert proc.stderr == ""
