@@ -164,7 +164,10 @@ class FoldWorker:
                 finally:
                     self.busy = False
             except Exception as exc:  # the store is down: the loop outlives it, jobs stay queued
-                log.warning("fold.loop_error", error=type(exc).__name__, worker=self.name)
+                # A Redis error's text says which ("NOGROUP …" when the stream was deleted); other
+                # errors' texts are not logged (an upstream's may echo what it was sent).
+                detail = str(exc)[:200] if type(exc).__module__.startswith("redis.") else None
+                log.warning("fold.loop_error", error=type(exc).__name__, detail=detail, worker=self.name)
                 if burst:
                     raise
                 await self._pause(_POLL_SECONDS)
