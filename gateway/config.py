@@ -7,6 +7,7 @@ against `Settings`. Unknown keys are errors (a typo must not silently fall back 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -113,10 +114,22 @@ class AuthSettings(_Strict):
     @field_validator("keys", mode="before")
     @classmethod
     def _plain_keys(cls, v: Any) -> Any:
-        # `keys: [sk-gw-abc, …]` is shorthand: each plain key is its own tenant.
+        # `keys: [sk-gw-abc, …]` is shorthand: each plain key is its own tenant, named by a digest of
+        # the whole key (a tail of it would be shared by keys ending alike, and show part of a secret
+        # in logs and store keys).
         if isinstance(v, list):
-            return [{"key": k, "tenant": f"key-{k[-6:]}"} if isinstance(k, str) else k for k in v]
+            return [{"key": k, "tenant": f"key-{hashlib.sha256(k.encode()).hexdigest()[:16]}"}
+                    if isinstance(k, str) else k for k in v]
         return v
+
+    @field_validator("keys")
+    @classmethod
+    def _distinct(cls, keys: list[ClientKey]) -> list[ClientKey]:
+        seen: dict[str, str] = {}
+        for k in keys:
+            if seen.setdefault(k.key, k.tenant) != k.tenant:
+                raise ValueError("one key is given to two tenants")
+        return keys
 
 
 class ConversationSettings(_Strict):

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from gateway.config import ConfigError, Settings, load_settings
 
@@ -103,3 +104,10 @@ def test_an_empty_upstream_key_forwards_the_clients_key(monkeypatch: pytest.Monk
     monkeypatch.setenv("OPENAI_API_KEY", "sk-own")
     own = load_settings(str(Path(__file__).parent.parent / "deploy" / "gateway.yaml"))
     assert own.upstreams["openai"].api_key == "sk-own"
+
+
+def test_a_key_given_to_two_tenants_is_refused() -> None:
+    """Which tenant a request is would depend on the order of the list: refused at start-up."""
+    with pytest.raises(ValidationError, match="two tenants"):
+        Settings.model_validate({"auth": {"keys": [{"key": "sk-gw-shared-1", "tenant": "a"},
+                                                   {"key": "sk-gw-shared-1", "tenant": "b"}]}})

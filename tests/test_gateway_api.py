@@ -160,3 +160,19 @@ async def test_gateway_stats_prints_the_savings_table(gwa: Gateway, capsys: pyte
     assert "(all tenants)" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["stats", "--url", "http://127.0.0.1:9", "--key", KEY]) == 1
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+
+
+async def test_plain_gateway_keys_that_end_alike_are_different_tenants(redis_url: str) -> None:
+    """`auth.keys: [plain, plain]`: each key is its own tenant, even when two keys share their tail;
+    the tenant shows no part of the key."""
+    alice, bob = "alice-000000-SECRET", "bob-999999-SECRET"
+    async with memory_gateway(redis_url, auth={"keys": [alice, bob]}) as g:
+        g.fake.responder = reply_text
+        await _talk(Chat(g, "openai", "diary", key=alice), 1)
+        assert (await _get(g, "/gateway/conversations/diary/messages", key=alice))[0] == 200
+        status, body = await _get(g, "/gateway/conversations/diary/messages", key=bob)
+        assert status == 404, body
+        _, listed = await _get(g, "/gateway/conversations", key=bob)
+        assert listed["total"] == 0
+        _, mine = await _get(g, "/gateway/conversations", key=alice)
+        assert "SECRET" not in mine["data"][0].get("tenant", "") and "SECRET" not in str(mine)
