@@ -35,6 +35,9 @@ TITLES: dict[Kind, str] = {
 }
 # The ledger lives in one Redis value read on every request: bound it. Superseded items go first.
 MAX_ITEMS = 200
+# One state edit (PUT …/state): each item is compared with the kind's active ones, on the event loop.
+MAX_EDIT_ITEMS = 100
+MAX_EDIT_CHARS = 2_000
 MAX_WAS = 2
 WAS_WORDS = 24
 MAX_MARKS = 256  # conversations of one project remembered by their read marks (oldest dropped)
@@ -227,10 +230,11 @@ def _prune(ledger: Ledger) -> None:
     total = sum(len(ledger.items(k)) for k in KINDS)
     if total <= MAX_ITEMS:
         return
-    # Oldest superseded first, then oldest extracted; edited items are kept.
+    # Oldest superseded first (edited or not: an edit replaced is history), then oldest extracted;
+    # what an edit set and nothing replaced since is kept.
     order = sorted(((item.superseded_by is None, item.edited, int(item.id[1:]), kind, item)
                     for kind, item in ledger.all_items()), key=lambda t: t[:3])
-    drop = {id(t[4]) for t in order[: total - MAX_ITEMS] if not t[1]}
+    drop = {id(t[4]) for t in order[: total - MAX_ITEMS] if not (t[0] and t[1])}
     for kind in KINDS:
         setattr(ledger, kind, [i for i in ledger.items(kind) if id(i) not in drop])
 

@@ -3,6 +3,7 @@ memory path does, and its edits reach the next forwarded request."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from memory_helpers import (
     user_text,
 )
 
+from gateway import state
 from gateway.app import drain_background
 
 
@@ -192,3 +194,32 @@ async def test_a_state_edit_without_the_project_header_reaches_the_projects_requ
     headers, _ = await openai_turn(gw, client, "proj", msgs, **project)
     assert headers["x-gateway-context"] == "rewritten"
     assert "Ship on the Moon base" in str(gw.last("/chat/completions").body)
+
+
+async def test_a_state_edit_is_bounded_and_repeated_edits_do_not_grow_the_state(gw: Gateway) -> None:  # noqa: F811
+    """An edit of more than MAX_EDIT_ITEMS items (or one longer than MAX_EDIT_CHARS) is a 400 and
+    changes nothing; edits repeated many times keep the stored state within MAX_ITEMS items."""
+    gw.fake.responder = reply_text
+    chat, msgs = Chat(gw, "openai", "state"), []
+    await _talk(chat, msgs, range(2))
+    too_many = {"decisions": [f"decision number {i} use tool{i}" for i in range(state.MAX_EDIT_ITEMS + 1)]}
+    status, body = await gw.api("PUT", "state/state", json=too_many)
+    assert status == 400 and f"at most {state.MAX_EDIT_ITEMS} items" in body["error"]["message"]
+    status, _ = await gw.api("PUT", "state/state", json={"goal": "x" * (state.MAX_EDIT_CHARS + 1)})
+    assert status == 400
+    assert "decision number" not in str((await gw.api("GET", "state"))[1].get("state"))
+    for round_ in range(8):
+        # Unrelated statements (near-identical ones would supersede each other).
+        edits = {"decisions": [f"round {round_}: use " + " ".join(_word(f"{round_}-{i}-{w}") for w in range(3))
+                               for i in range(40)]}
+        assert (await gw.api("PUT", "state/state", json=edits))[0] == 200
+    stored = (await gw.api("GET", "state"))[1]["state"]
+    items = [i for kind in state.KINDS for i in stored.get(kind, [])]
+    assert len(items) <= state.MAX_ITEMS
+    active = [i["text"] for i in stored["decisions"] if not i.get("superseded_by")]
+    assert len(active) == 40 and all(t.startswith("round 7:") for t in active)
+
+
+def _word(seed: str) -> str:
+    """A made-up word of letters only (a digit in it would make two statements one, updated)."""
+    return "".join(chr(ord("a") + int(c, 16)) for c in hashlib.sha256(seed.encode()).hexdigest()[:8])
