@@ -191,6 +191,10 @@ def _note_activity(app: web.Application, rec: Record, gw: dict[str, str]) -> Non
     """What the dashboard and /gateway/stats show of this request (written to the store in batches)."""
     if rec.tenant is None or rec.conversation is None:
         return
+    # A credential the provider refused is nobody's: noting it would let any caller add tenants to
+    # the store. A passthrough kept nothing: its row would list a conversation that is not there.
+    if rec.status in (401, 403) or rec.context == "passthrough":
+        return
     original, forwarded = (int(v) if (v := gw.get(f"x-gateway-tokens-{n}", "0")).isdigit() else 0
                            for n in ("original", "forwarded"))
     noted = Noted(tenant=rec.tenant, conversation=rec.conversation, project=rec.project, model=rec.model,

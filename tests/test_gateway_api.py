@@ -176,3 +176,22 @@ async def test_plain_gateway_keys_that_end_alike_are_different_tenants(redis_url
         assert listed["total"] == 0
         _, mine = await _get(g, "/gateway/conversations", key=alice)
         assert "SECRET" not in mine["data"][0].get("tenant", "") and "SECRET" not in str(mine)
+
+
+async def test_requests_that_keep_nothing_list_no_conversation(gwa: Gateway) -> None:
+    """A credential the provider refuses (401) adds no tenant and no row to the store's activity, and a
+    passthrough (`X-Memory: off`) lists no conversation that the API would then answer 404 for."""
+    body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hello"}]}
+    gwa.fake.error_status = 401
+    for i in range(3):
+        async with gwa.http.post(gwa.url + "/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer junk-{i}", "X-Conversation-Id": f"j{i}"}) as r:
+            assert r.status == 401
+    gwa.fake.error_status = None
+    async with gwa.http.post(gwa.url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "off-1",
+                                      "X-Memory": "off"}) as r:
+        assert r.status == 200 and r.headers["x-gateway-reason"] == "memory-off"
+    await _talk(Chat(gwa, "openai", "kept"), 1)
+    _, everyone = await _get(gwa, "/gateway/conversations", key=ADMIN)
+    assert [c["id"] for c in everyone["data"]] == ["kept"]
