@@ -245,11 +245,12 @@ class Memory:
 
     def _warn_unpriced(self, model: str, where: str) -> None:
         """One warning per model name `pricing` does not know: its costs are guesses."""
-        if model in self._unpriced or len(self._unpriced) >= _UNPRICED_NOTED:
+        shown = model if len(model) <= 100 else model[:100] + "…"  # a client's model name can be any size
+        if shown in self._unpriced or len(self._unpriced) >= _UNPRICED_NOTED:
             return
-        self._unpriced.add(model)
-        log.warning("pricing.unknown_model", model=model, seen=where,
-                    message=f"model {model!r} matches no pricing entry: priced as pricing.default (no price, no "
+        self._unpriced.add(shown)
+        log.warning("pricing.unknown_model", model=shown, seen=where,
+                    message=f"model {shown!r} matches no pricing entry: priced as pricing.default (no price, no "
                             "prompt caching assumed, so over the thresholds it is always rewritten); add a "
                             f"pricing.<name> entry for it")
 

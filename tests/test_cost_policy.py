@@ -166,6 +166,15 @@ async def test_unknown_model_is_named_in_the_log_once(lines: Lines) -> None:
     assert headers["x-gateway-reason"] == "rewritten"
 
 
+async def test_a_huge_unknown_model_name_is_clipped_in_the_log(lines: Lines) -> None:
+    """A client's model name can be any size: its warning line is not."""
+    async with memory_gateway("memory://", memory=MEMORY) as g:
+        g.fake.responder = reply_text
+        await Chat(g, "openai", "huge-model").send([{"role": "user", "content": "hi"}], model="m" * 100_000)
+    warned = lines.events("pricing.unknown_model")
+    assert len(warned) == 1 and len(warned[0]["model"]) <= 101 and len(warned[0]["message"]) < 400
+
+
 async def test_configured_model_without_price_is_named_at_start_up(lines: Lines) -> None:
     """A `models:` entry with no pricing entry is named when the gateway starts."""
     async with memory_gateway("memory://", memory=MEMORY, models={"acme-llm": {"context_window": 32_000}}):
