@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -358,7 +359,9 @@ async def run_eval(settings: Settings, conversations: list[dict[str, Any]], *, s
         await rec_runner.cleanup()
 
     full = replay.scores["full"]
-    return {"strategies": {name: s.summary(full.billed, full.billed_timed) for name, s in replay.scores.items()},
+    strategies = {name: s.summary(full.billed, full.billed_timed) for name, s in replay.scores.items()}
+    strategies["gateway"]["reasons"] = dict(replay.reasons.most_common())
+    return {"strategies": strategies,
             "conversations": len(conversations), "settled": settle, "model": model, "ttl": ttl,
             "data_clock": data_clock}
 
@@ -384,6 +387,7 @@ class Replay:
             hook.clock = lambda: self.now
         self.total = 0
         self.done = 0
+        self.reasons: Counter[str] = Counter()  # x-gateway-reason of every gateway request
 
     async def _send(self, cid: str, system: str | None, history: list[dict[str, Any]],
                     reply: str, when: str | None = None) -> tuple[dict[str, Any], float]:
@@ -399,6 +403,7 @@ class Replay:
             await resp.read()
             if resp.status != 200:
                 raise RuntimeError(f"gateway answered {resp.status} for {cid}")
+            self.reasons[resp.headers.get("x-gateway-reason", "-")] += 1
         return self.recorder.last[cid], time.perf_counter() - t0
 
     async def _settle(self) -> None:
@@ -534,6 +539,9 @@ def format_table(result: dict[str, Any]) -> str:
     if "latency_ms_p50" in gw:
         lines.append(f"\ngateway request latency: p50 {gw['latency_ms_p50']:.2f} ms, "
                      f"p99 {gw['latency_ms_p99']:.2f} ms (through the gateway, fake upstream)")
+    if gw.get("reasons"):
+        lines.append("gateway decisions (x-gateway-reason): "
+                     + ", ".join(f"{reason} {n}" for reason, n in gw["reasons"].items()))
     cats = sorted({c for s in strategies.values() for c in s.get("by_category", {})})
     if cats:
         lines.append(f"\n{'category':<28}{'strategy':<16}" + "".join(f"{h:>16}" for h in _CATEGORY_HEADERS))

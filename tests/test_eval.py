@@ -73,6 +73,13 @@ async def test_eval_scores_known_evidence_and_answers() -> None:
     assert s["gateway"]["evidence_recall"] == 1.0 and s["gateway"]["answer_recall"] == 1.0
     assert 0 < s["gateway"]["tokens_ratio"] < 1.0
     assert s["gateway"]["by_category"]["recall"]["evidence_recall"] == 1.0
+    # Every request's x-gateway-reason is counted, and the table says how the gateway decided.
+    reasons = s["gateway"]["reasons"]
+    users = sum(1 for m in conversation()["messages"] if m["role"] == "user")
+    assert sum(reasons.values()) == users + len(conversation()["probes"])
+    assert reasons.get("rewritten", 0) > 0 and set(reasons) <= {"under-threshold", "rewritten", "cheaper-cached",
+                                                                 "no-saving", "over-window"}
+    assert "gateway decisions (x-gateway-reason): " in format_table(result)
     for name in s:
         assert {"evidence_recall", "answer_recall", "tokens_ratio", "mean_tokens", "cost_ratio_warm",
                 "cost_ratio_timed", "by_category"} <= set(s[name])
