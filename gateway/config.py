@@ -150,6 +150,9 @@ class SummarizerSettings(_Strict):
 
 class RetrievalSettings(_Strict):
     enabled: bool = True
+    # No new excerpts when a message of the recent window matches the question at least this many times
+    # as well as the best earlier one (raw BM25): it asks about what the window holds. 0: always recall.
+    reach_back: float = Field(1.5, ge=0)
     # Hybrid retrieval: fuse the lexical ranking with a packaged embedding model's (gateway/embed.py;
     # needs the `embeddings` extra). Stored messages are embedded in the background, the question on
     # the request path.

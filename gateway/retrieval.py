@@ -28,6 +28,10 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
    most of the conversation).
 7. Recent messages: a query of at most 3 content words ("and the second one?") takes the 8 rarest
    indexed words of the last two `recent` texts at weight 0.2.
+8. Reach back (`reach_back`, given the window's first position): nothing is recalled when a message of
+   the recent window matches the question at least `reach_back` times as well (raw BM25) as the best
+   earlier one: the question is about what the window already holds, and new excerpts would only be
+   written to the provider's cache to be read past. Questions that name a time always reach back.
 
 Cost: `add` is O(message length). Postings are per-term `bytearray`s of native uint32
 `position << 8 | tf` (tf capped at 255, read through `memoryview.cast`), a bare int while a term
@@ -455,13 +459,16 @@ class RetrievalIndex:
         recent: Sequence[str] = (),
         query_time: str | None = None,
         dense: Sequence[tuple[int, float]] = (),
+        window_start: int | None = None,
+        reach_back: float = 0.0,
     ) -> list[Excerpt]:
         """Best-matching messages, greedily filling budget_tokens with WHOLE messages (a message whose
         tokens exceed the remaining budget is skipped, smaller ones may still fit); returned in
         conversation order (ascending index). `exclude`: positions never returned (the window, messages
         already forwarded). `recent`: texts of the latest turns for optional query expansion.
         `query_time`: ISO time of the question if known. `dense`: (position, cosine) of the messages
-        closest to the query by embedding, best first (gateway/embed.py), fused with the lexical ranks."""
+        closest to the query by embedding, best first (gateway/embed.py), fused with the lexical ranks.
+        `window_start`, `reach_back`: the recent window's first position and step 8 of the ranking."""
         n = len(self._lengths)
         if n == 0 or budget_tokens <= 0 or not (query or dense):
             return []
@@ -495,6 +502,12 @@ class RetrievalIndex:
             return []
 
         scores = self._bm25(weights, n)
+        if reach_back > 0 and window_start is not None and not spans and scores:
+            skip = exclude if callable(exclude) else exclude.__contains__
+            in_window = max((v for d, v in scores.items() if d >= window_start), default=0.0)
+            earlier = max((v for d, v in scores.items() if d < window_start and not skip(d)), default=0.0)
+            if in_window > 0 and in_window >= reach_back * earlier:
+                return []
         if p.neighbour_weight > 0 and scores:
             scores = self._spread_to_neighbours(scores, n)
         top = max(scores.values(), default=0.0) or 1.0

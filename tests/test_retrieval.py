@@ -243,3 +243,27 @@ def test_dense_candidates_fuse_with_the_lexical_ranking() -> None:
     # Positions excluded (the window) are never returned, dense or not.
     assert idx.search(question, budget_tokens=10, dense=dense, exclude={0}) != [] and all(
         e.index != 0 for e in idx.search(question, budget_tokens=10, dense=dense, exclude={0}))
+
+
+def test_nothing_is_recalled_for_a_question_the_recent_window_answers_better() -> None:
+    """Reach back: a question about what the window holds recalls nothing; one whose best match is
+    earlier recalls it; a question that names a time always reaches back; reach_back 0 always recalls."""
+    msgs = _conversation(60, plant={
+        4: "My sister Alice is getting married in Lisbon next spring.",
+        12: "Some day we should ship the service in a Docker image.",
+        56: "The Dockerfile now uses a multi-stage build with python:3.12-slim as the base image.",
+        57: "Good: the multi-stage Dockerfile keeps the final image small.",
+    })
+    index = _index(msgs)
+    window = 50
+    exclude = range(window, 60)
+
+    def search(query: str, reach_back: float = 1.0) -> list[int]:
+        return [e.index for e in index.search(query, budget_tokens=200, exclude=exclude, window_start=window,
+                                              reach_back=reach_back, query_time="2023-03-06T12:00:00")]
+
+    assert search("Which base image does the Dockerfile build use?") == []
+    assert 4 in search("Where is my sister's wedding going to be?")
+    assert 12 in search("Which base image does the Dockerfile build use?", reach_back=0.0)
+    # Not on the window's topic alone: a time named sends the question back.
+    assert 12 in search("What did I say about the Docker image four days ago?")
