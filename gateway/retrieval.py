@@ -481,6 +481,7 @@ class RetrievalIndex:
                 when = when or _stamp_time(m)
         postings = self._postings
         weights: dict[str, float] = dict.fromkeys(_words(query, p, query=True), 1.0)
+        asked = dict(weights)  # the question's own words (step 8 judges on these)
         if p.recent_weight > 0 and recent and 0 < len(weights) <= p.recent_max_query_words:
             extra = {
                 t
@@ -503,10 +504,13 @@ class RetrievalIndex:
 
         scores = self._bm25(weights, n)
         if reach_back > 0 and window_start is not None and not spans and scores:
+            # On the question's own words: the expansion's come from the window's last texts.
+            own = scores if len(asked) == len(weights) else self._bm25(asked, n)
             skip = exclude if callable(exclude) else exclude.__contains__
-            in_window = max((v for d, v in scores.items() if d >= window_start), default=0.0)
-            earlier = max((v for d, v in scores.items() if d < window_start and not skip(d)), default=0.0)
-            if in_window > 0 and in_window >= reach_back * earlier:
+            in_window = max((v for d, v in own.items() if d >= window_start), default=0.0)
+            earlier = max((v for d, v in own.items() if d < window_start and not skip(d)), default=0.0)
+            # No earlier message shares a word with it: only the embeddings can say whether it reaches back.
+            if in_window > 0 and in_window >= reach_back * earlier and (earlier > 0 or not dense):
                 return []
         if p.neighbour_weight > 0 and scores:
             scores = self._spread_to_neighbours(scores, n)

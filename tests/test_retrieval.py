@@ -267,3 +267,12 @@ def test_nothing_is_recalled_for_a_question_the_recent_window_answers_better() -
     assert 12 in search("Which base image does the Dockerfile build use?", reach_back=0.0)
     # Not on the window's topic alone: a time named sends the question back.
     assert 12 in search("What did I say about the Docker image four days ago?")
+    # A short question is judged on its own words, not on those its expansion takes from the window.
+    recent = [msgs[56][1], msgs[57][1]]
+    assert 4 in [e.index for e in index.search("And Alice?", budget_tokens=200, exclude=exclude, recent=recent,
+                                               window_start=window, reach_back=1.0)]
+    # No earlier message shares a word with it: the embeddings' nearest earlier message decides.
+    asked = "Which slim python does the multi-stage build start from?"
+    assert search(asked) == []
+    assert [e.index for e in index.search(asked, budget_tokens=200, exclude=exclude, window_start=window,
+                                          reach_back=1.0, dense=[(12, 0.9), (30, 0.2)])][:1] == [12]
