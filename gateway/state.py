@@ -37,6 +37,7 @@ TITLES: dict[Kind, str] = {
 MAX_ITEMS = 200
 # One state edit (PUT …/state): each item is compared with the kind's active ones, on the event loop.
 MAX_EDIT_ITEMS = 100
+MAX_EDITED = MAX_ITEMS // 2  # active edited items in a ledger (the rest of MAX_ITEMS is extraction's)
 MAX_EDIT_CHARS = 2_000
 MAX_WAS = 2
 WAS_WORDS = 24
@@ -275,7 +276,13 @@ def apply_edits(ledger: Ledger, edits: dict[str, list[str] | str], *, time: str 
         for old in previous:
             if old.superseded_by is None and old.id not in new_ids:
                 old.superseded_by = new_ids[0] if new_ids else "edit"
+    _prune(out)  # what the edit replaced is history now, first to go
     return out
+
+
+def edited_items(ledger: Ledger) -> int:
+    """Items an edit set that nothing replaced since: never pruned, so an edit may not add past MAX_EDITED."""
+    return sum(1 for _, item in ledger.all_items() if item.edited and item.superseded_by is None)
 
 
 # -- extractive (pattern) extraction ---------------------------------------------------------

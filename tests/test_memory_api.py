@@ -218,6 +218,11 @@ async def test_a_state_edit_is_bounded_and_repeated_edits_do_not_grow_the_state(
     assert len(items) <= state.MAX_ITEMS
     active = [i["text"] for i in stored["decisions"] if not i.get("superseded_by")]
     assert len(active) == 40 and all(t.startswith("round 7:") for t in active)
+    # Items an edit set are never pruned while current: an edit may not take the state past MAX_EDITED.
+    more = {"constraints": [f"never {_word(f'c-{i}')} {_word(f'd-{i}')}" for i in range(state.MAX_EDITED - 39)]}
+    status, body = await gw.api("PUT", "state/state", json=more)
+    assert status == 400 and f"more than {state.MAX_EDITED}" in body["error"]["message"]
+    assert (await gw.api("GET", "state"))[1]["state"] == stored
 
 
 def _word(seed: str) -> str:
