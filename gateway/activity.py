@@ -53,6 +53,7 @@ class Noted:
     usd_per_mtok: float
     excerpts: str = ""
     at: float = 0.0
+    listed: bool = True  # False: counted in the totals, but no conversation row (nothing of it was kept)
 
 
 def _day(ts: float) -> str:
@@ -93,11 +94,17 @@ class Activity:
         self._recent.setdefault(n.tenant, []).append(
             orjson.dumps([round(at, 3), n.tokens_original, n.tokens_forwarded, cost_o, cost_f]))
         conv = (n.tenant, n.conversation)
+        if not n.listed:
+            self._schedule()
+            return
         self._used[conv] = at
         self._last[conv] = orjson.dumps({
             "context": n.context, "reason": n.reason, "model": n.model, "provider": n.provider, "project": n.project,
             "status": n.status, "tokens_original": n.tokens_original, "tokens_forwarded": n.tokens_forwarded,
             "excerpts": n.excerpts[:EXCERPTS_MAX], "at": round(at, 3)})
+        self._schedule()
+
+    def _schedule(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_later(FLUSH_SECONDS, lambda: self._spawn(self._flush_later()))

@@ -192,8 +192,9 @@ def _note_activity(app: web.Application, rec: Record, gw: dict[str, str]) -> Non
     if rec.tenant is None or rec.conversation is None:
         return
     # A credential the provider refused is nobody's: noting it would let any caller add tenants to
-    # the store. A passthrough kept nothing: its row would list a conversation that is not there.
-    if rec.status in (401, 403) or rec.context == "passthrough":
+    # the store. A passthrough or a failed request kept nothing: counted, but a row would list a
+    # conversation the API then answers 404 for.
+    if rec.status in (401, 403):
         return
     original, forwarded = (int(v) if (v := gw.get(f"x-gateway-tokens-{n}", "0")).isdigit() else 0
                            for n in ("original", "forwarded"))
@@ -201,7 +202,8 @@ def _note_activity(app: web.Application, rec: Record, gw: dict[str, str]) -> Non
                   provider=rec.provider or "",
                   context=rec.context, reason=gw.get("x-gateway-reason"), status=rec.status,
                   tokens_original=original, tokens_forwarded=forwarded,
-                  usd_per_mtok=app[SETTINGS].price(rec.model).input_usd_per_mtok, excerpts=rec.excerpts)
+                  usd_per_mtok=app[SETTINGS].price(rec.model).input_usd_per_mtok, excerpts=rec.excerpts,
+                  listed=rec.context != "passthrough" and rec.status < 400)
     app[ACTIVITY].note(noted)
 
 

@@ -180,7 +180,7 @@ async def test_plain_gateway_keys_that_end_alike_are_different_tenants(redis_url
 
 async def test_requests_that_keep_nothing_list_no_conversation(gwa: Gateway) -> None:
     """A credential the provider refuses (401) adds no tenant and no row to the store's activity, and a
-    passthrough (`X-Memory: off`) lists no conversation that the API would then answer 404 for."""
+    passthrough (`X-Memory: off`) is counted but lists no conversation the API would answer 404 for."""
     body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hello"}]}
     gwa.fake.error_status = 401
     for i in range(3):
@@ -195,3 +195,6 @@ async def test_requests_that_keep_nothing_list_no_conversation(gwa: Gateway) -> 
     await _talk(Chat(gwa, "openai", "kept"), 1)
     _, everyone = await _get(gwa, "/gateway/conversations", key=ADMIN)
     assert [c["id"] for c in everyone["data"]] == ["kept"]
+    # The passthrough still counts in the caller's totals (the savings share is of every request).
+    assert (await _get(gwa, "/gateway/stats"))[1]["requests"] == 2
+    assert (await _get(gwa, "/gateway/stats", key=ADMIN))[1]["requests"] == 2  # no junk tenant counted
