@@ -137,18 +137,20 @@ class Choice:
 
 
 def choose(*, full_now: float, rewrite_now: float, full_total: int, rewrite_total: int, new: int, volatile: int,
-           prices: Prices, horizon: int, full_cacheable: bool = True) -> Choice:
+           prices: Prices, horizon: int, full_cacheable: bool = True, later_excerpts: int = 0) -> Choice:
     """Compare the next `horizon` requests under each mode, starting with this one.
 
     After this request, a full request re-reads everything and writes only the next turn (`new`
     tokens); a rewritten one re-reads its stable part and writes its `volatile` part (excerpts and
-    the newest turn) again. Ties go to the rewrite: smaller requests are faster too.
+    the newest turn) again, with `later_excerpts` more excerpt tokens than this one. Ties go to the
+    rewrite: smaller requests are faster too.
     """
     full_cacheable = full_cacheable and full_total >= prices.min_tokens
     steady_full = prices.read * full_total + prices.write * new if full_cacheable else float(full_total)
     stable = max(rewrite_total - volatile, 0)
-    steady_rewrite = (prices.read * stable + prices.write * volatile if stable >= prices.min_tokens
-                      else float(rewrite_total))
+    fresh = volatile + later_excerpts
+    steady_rewrite = (prices.read * stable + prices.write * fresh if stable >= prices.min_tokens
+                      else float(stable + fresh))
     later = max(horizon - 1, 0)
     full_cost = full_now + later * steady_full
     rewrite_cost = rewrite_now + later * steady_rewrite

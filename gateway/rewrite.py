@@ -295,7 +295,14 @@ class Draft:
             return Outcome(replace(plan, reason=TOO_LARGE), None)
         items = _rewrite_items(inp, plan) if plan.kind == "rewritten" else None
         if items is not None and self._weigh_full:
-            plan = _cheaper(inp, plan, items)
+            # Later turns are weighed as filling the excerpt budget, as a turn that reaches back does:
+            # one that recalled little or nothing (memory.retrieval.reach_back) does not say they will
+            # not, and switching away from a cached full history on its word cost more than the full
+            # history on a chat of short messages. (No record of the conversation: this turn alone.)
+            later = 0
+            if self.wants is not None and inp.last is not None:
+                later = max(0, layers.budget - (items[2] - inp.new_tokens if plan.excerpts_block else 0))
+            plan = _cheaper(inp, plan, items, later)
         if plan.kind == "rewritten" and items is not None:
             record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now, pins=layers.pins(plan))
         else:
@@ -567,11 +574,12 @@ def _rewrite_items(inputs: Inputs, plan: Plan) -> tuple[list[str], list[int], in
     return items, tokens, excerpts + sum(t.tokens for t in window[cut:])
 
 
-def _cheaper(inputs: Inputs, plan: Plan, rewrite: tuple[list[str], list[int], int]) -> Plan:
+def _cheaper(inputs: Inputs, plan: Plan, rewrite: tuple[list[str], list[int], int], later_excerpts: int = 0) -> Plan:
     """The rewrite, unless the full history would be billed less once prompt caching counts.
 
     Compared over the next `fold_batch / 2` requests: switching to the rewrite pays one cold write
-    that later requests must earn back (cost.choose)."""
+    that later requests must earn back (cost.choose); each of those writes `later_excerpts` tokens
+    of excerpts more than this one."""
     h, prices, last, now = inputs.history, inputs.prices, inputs.last, inputs.now
     cacheable = inputs.dialect.caches_full_history(inputs.raw)
     full_now = cost.billed_full((inputs.system_hash, inputs.system_tokens), h.total_tokens, inputs.chains, last,
@@ -580,7 +588,7 @@ def _cheaper(inputs: Inputs, plan: Plan, rewrite: tuple[list[str], list[int], in
     choice = cost.choose(
         full_now=full_now, rewrite_now=cost.billed(items, tokens, last, now, prices),
         full_total=inputs.system_tokens + h.total_tokens, rewrite_total=sum(tokens),
-        new=2 * inputs.new_tokens, volatile=volatile,
+        new=2 * inputs.new_tokens, volatile=volatile, later_excerpts=later_excerpts,
         prices=prices, horizon=max(2, inputs.settings.fold_batch // 2), full_cacheable=cacheable)
     if not choice.full:
         return plan

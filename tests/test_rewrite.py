@@ -465,3 +465,37 @@ def test_a_held_fold_leaves_the_excerpt_budget_as_the_applied_fold_would() -> No
     applied, held = wants(60, 0), wants(52, 8 * 50)
     assert held.window_start == 52 and applied.window_start == 60
     assert held.budget == applied.budget > wants(52, 0).budget
+
+
+def test_a_turn_that_recalls_nothing_does_not_make_the_rewrite_look_cheaper() -> None:
+    """Policy cost, warm cache, the full history forwarded last: the rewrite wins only if its later
+    turns write no excerpts. A turn that wants excerpts but recalls none (reach_back) is weighed as if
+    the next turns fill the excerpt budget, as those that reach back do: the full history goes."""
+    from gateway.reconcile import chain_hashes
+
+    ts = turns(oa, [*chat(25), {"role": "user", "content": "question 25"}], tokens=100)
+    chains = chain_hashes([t.hash for t in ts])
+    settings = MemorySettings.model_validate(
+        {"message_threshold": 4, "keep_recent": 2, "policy": "cost", "retrieval_target_share": 0.0,
+         "retrieval_budget_tokens": 2_000, "retrieval_max_share": 1.0, "min_saving_share": 0.0})
+    last = cost.full_record(("sys", 5), chains[:-2], sum(t.tokens for t in ts[:-2]), 100, 0.0)
+    cov = 40
+    history = History(head=[], tail=ts[cov:], tail_start=cov, total_messages=len(ts),
+                      total_tokens=sum(t.tokens for t in ts), summary=Summary(text="story", covers=cov, version=1,
+                                                                                 tokens=1))
+
+    def outcome(picks: list[int]) -> rewrite.Outcome:
+        draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
+                                    settings=settings, context_budget=100_000, count=count, system_hash="sys",
+                                    chains=chains, new_tokens=100, last=last, now=10.0))
+        assert draft.wants is not None
+        return draft.finish([(p, ts[p]) for p in picks])
+
+    assert outcome([]).plan.reason == rewrite.CHEAPER_CACHED
+    assert outcome([3]).plan.reason == rewrite.CHEAPER_CACHED  # a short block says no more
+    # Without excerpts wanted (retrieval off), the same conversation is cheaper rewritten.
+    no_recall = settings.model_copy(update={"retrieval": settings.retrieval.model_copy(update={"enabled": False})})
+    draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
+                                settings=no_recall, context_budget=100_000, count=count, system_hash="sys",
+                                chains=chains, new_tokens=100, last=last, now=10.0))
+    assert draft.wants is None and draft.finish().plan.reason == rewrite.REWRITTEN
