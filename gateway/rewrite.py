@@ -295,13 +295,14 @@ class Draft:
             return Outcome(replace(plan, reason=TOO_LARGE), None)
         items = _rewrite_items(inp, plan) if plan.kind == "rewritten" else None
         if items is not None and self._weigh_full:
-            # Later turns are weighed as filling the excerpt budget, as a turn that reaches back does:
-            # one that recalled little or nothing (memory.retrieval.reach_back) does not say they will
-            # not, and switching away from a cached full history on its word cost more than the full
-            # history on a chat of short messages. (No record of the conversation: this turn alone.)
+            # Later turns are weighed as filling what the search may fill, as a turn that reaches back
+            # does: one that recalled little or nothing (memory.retrieval.reach_back) does not say they
+            # will not, and switching away from a cached full history on its word cost more than the
+            # full history on a chat of short messages. (No record of the conversation: this turn alone.)
             later = 0
             if self.wants is not None and inp.last is not None:
-                later = max(0, layers.budget - (items[2] - inp.new_tokens if plan.excerpts_block else 0))
+                block = items[2] - inp.new_tokens if plan.excerpts_block else 0
+                later = max(0, self.wants.search_budget - block)
             plan = _cheaper(inp, plan, items, later)
         if plan.kind == "rewritten" and items is not None:
             record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now, pins=layers.pins(plan))
