@@ -35,7 +35,8 @@ TITLES: dict[Kind, str] = {
 }
 # The ledger lives in one Redis value read on every request: bound it. Superseded items go first.
 MAX_ITEMS = 200
-# One state edit (PUT …/state): each item is compared with the kind's active ones, on the event loop.
+# One state edit (PUT …/state): each item is compared with the kind's active ones (in a thread, which
+# still holds the interpreter while it runs: the bound is what keeps other requests moving).
 MAX_EDIT_ITEMS = 100
 MAX_EDITED = MAX_ITEMS // 2  # active edited items in a ledger (the rest of MAX_ITEMS is extraction's)
 MAX_EDIT_CHARS = 2_000

@@ -470,7 +470,7 @@ def test_a_held_fold_leaves_the_excerpt_budget_as_the_applied_fold_would() -> No
 def test_a_turn_that_recalls_nothing_does_not_make_the_rewrite_look_cheaper() -> None:
     """Policy cost, warm cache, the full history forwarded last: the rewrite wins only if its later
     turns write no excerpts. A turn that wants excerpts but recalls none (reach_back) is weighed as if
-    the next turns fill the excerpt budget, as those that reach back do: the full history goes."""
+    the next turns fill what the search may fill, as those that reach back do: the full history goes."""
     from gateway.reconcile import chain_hashes
 
     ts = turns(oa, [*chat(25), {"role": "user", "content": "question 25"}], tokens=100)
