@@ -394,8 +394,9 @@ def routes(api: ConversationAPI) -> list[tuple[str, str, Any]]:
 
 def _edited(data: Any, edits: dict[str, Any], now: str) -> state.Ledger:
     ledger = state.apply_edits(state.load(data), edits, time=now)
-    if state.edited_items(ledger) > state.MAX_EDITED:
+    edited = state.edited_items(ledger)
+    if edited > state.MAX_EDITED:
         raise GatewayError(400, "invalid_request_error",
-                           f"the state would hold {state.edited_items(ledger)} items set by edits, more than "
+                           f"the state would hold {edited} items set by edits, more than "
                            f"{state.MAX_EDITED}: set fewer, or replace a kind's items with fewer")
     return ledger

@@ -8,6 +8,7 @@ from gateway import cost, rewrite
 from gateway.config import MemorySettings
 from gateway.dialects import Dialect, content_hash, dialect_named
 from gateway.model import Message, Plan, Summary
+from gateway.reconcile import chain_hashes
 from gateway.rewrite import History, Inputs, align_boundary, clean_cuts, fill
 
 oa = dialect_named("openai_chat")
@@ -471,8 +472,6 @@ def test_a_turn_that_recalls_nothing_does_not_make_the_rewrite_look_cheaper() ->
     """Policy cost, warm cache, the full history forwarded last: the rewrite wins only if its later
     turns write no excerpts. A turn that wants excerpts but recalls none (reach_back) is weighed as if
     the next turns fill what the search may fill, as those that reach back do: the full history goes."""
-    from gateway.reconcile import chain_hashes
-
     ts = turns(oa, [*chat(25), {"role": "user", "content": "question 25"}], tokens=100)
     chains = chain_hashes([t.hash for t in ts])
     settings = MemorySettings.model_validate(

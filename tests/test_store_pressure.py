@@ -49,6 +49,19 @@ async def chat(http: aiohttp.ClientSession, url: str, conv: str,
         return r.status, r.headers.get("x-gateway-context", ""), body["choices"][0]["message"]["content"]
 
 
+def killing_redis_on(redis: RedisProcess, question: str) -> Responder:
+    """An upstream that answers "ok: <question>" and kills Redis when asked `question`: after the
+    gateway loaded the conversation, before it records the turn."""
+
+    async def responder(body: dict[str, Any]) -> str:
+        text = body["messages"][-1]["content"]
+        if text == question:
+            redis.kill()
+        return f"ok: {text}"
+
+    return responder
+
+
 async def stored(http: aiohttp.ClientSession, url: str, conv: str) -> list[dict[str, Any]]:
     async with http.get(f"{url}/gateway/conversations/{conv}/messages?limit=1000",
                         headers={"Authorization": f"Bearer {KEY}"}) as r:
@@ -127,12 +140,7 @@ async def test_a_turn_whose_recording_failed_is_stored_later_in_order(tmp_path: 
     redis = RedisProcess(tmp_path, persistent=True)
     redis.start()
     kill_on = "doomed question"
-
-    async def responder(body: dict[str, Any]) -> str:
-        text = body["messages"][-1]["content"]
-        if text == kill_on:
-            redis.kill()  # after the gateway loaded the conversation, before it records the turn
-        return f"ok: {text}"
+    responder = killing_redis_on(redis, kill_on)
 
     try:
         async with gateway({"url": redis.url}, responder) as (app, url, http):
@@ -161,12 +169,7 @@ async def test_a_delta_turn_sent_while_an_earlier_one_is_queued_is_stored_after_
     redis = RedisProcess(tmp_path, persistent=True)
     redis.start()
     kill_on = "second question"
-
-    async def responder(body: dict[str, Any]) -> str:
-        text = body["messages"][-1]["content"]
-        if text == kill_on:
-            redis.kill()
-        return f"ok: {text}"
+    responder = killing_redis_on(redis, kill_on)
 
     try:
         async with gateway({"url": redis.url}, responder) as (app, url, http):
