@@ -540,6 +540,7 @@ class Memory:
             key, query=wants.query.text, after=len(view.head), before=wants.window_start,
             budget_tokens=wants.search_budget, recent=wants.recent, query_time=wants.query.time,
             query_vector=vector, reach_back=self.settings.memory.retrieval.reach_back,
+            min_relevance=self.settings.memory.retrieval.min_relevance,
         )
         return [(h.position, Message(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="", time=h.time))
                 for h in hits]

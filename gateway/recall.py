@@ -244,6 +244,7 @@ class RecallCache:
         query_time: str | None = None,
         query_vector: Any = None,
         reach_back: float = 0.0,
+        min_relevance: float = 0.0,
     ) -> list[Recalled]:
         """Best earlier messages among positions [after, before), within budget; fused with the
         messages nearest `query_vector` among those embedded so far, when given. None when the window
@@ -252,7 +253,7 @@ class RecallCache:
         if entry is None or budget_tokens <= 0 or before <= max(after, 0):
             return []
         dense_stop = min(before, entry.embedded) if query_vector is not None else 0
-        args = (query, after, before, budget_tokens, tuple(recent), query_time, dense_stop, reach_back)
+        args = (query, after, before, budget_tokens, tuple(recent), query_time, dense_stop, reach_back, min_relevance)
         if entry.last is not None and entry.last[1] == entry.version and entry.last[0] == args:
             return list(entry.last[2])
 
@@ -264,7 +265,7 @@ class RecallCache:
             dense = nearest(entry.vectors, query_vector, max(after, 0), dense_stop, DENSE_TOP)
         hits = entry.index.search(
             query, budget_tokens=budget_tokens, exclude=excluded, recent=recent, query_time=query_time, dense=dense,
-            window_start=before, reach_back=reach_back,
+            window_start=before, reach_back=reach_back, min_relevance=min_relevance,
         )
         rows = entry.rows
         found = [Recalled(h.index, *rows[h.index][:4]) for h in hits]

@@ -461,6 +461,7 @@ class RetrievalIndex:
         dense: Sequence[tuple[int, float]] = (),
         window_start: int | None = None,
         reach_back: float = 0.0,
+        min_relevance: float = 0.0,
     ) -> list[Excerpt]:
         """Best-matching messages, greedily filling budget_tokens with WHOLE messages (a message whose
         tokens exceed the remaining budget is skipped, smaller ones may still fit); returned in
@@ -468,7 +469,9 @@ class RetrievalIndex:
         already forwarded). `recent`: texts of the latest turns for optional query expansion.
         `query_time`: ISO time of the question if known. `dense`: (position, cosine) of the messages
         closest to the query by embedding, best first (gateway/embed.py), fused with the lexical ranks.
-        `window_start`, `reach_back`: the recent window's first position and step 8 of the ranking."""
+        `window_start`, `reach_back`: the recent window's first position and step 8 of the ranking.
+        `min_relevance`: messages scoring under this share of the best candidate are left out even
+        when the budget has room (each excerpt is a cache write; weak matches rarely answer)."""
         n = len(self._lengths)
         if n == 0 or budget_tokens <= 0 or not (query or dense):
             return []
@@ -521,7 +524,7 @@ class RetrievalIndex:
             self._add_time_prior(spans, scores, n, top)
         if dense:
             scores = self._fuse(scores, dense, exclude)
-        return self._fill(scores, budget_tokens, exclude)
+        return self._fill(scores, budget_tokens, exclude, min_relevance)
 
     # ---------------------------------------------------------------------------------- internals
 
@@ -676,8 +679,12 @@ class RetrievalIndex:
         scores: dict[int, float],
         budget: int,
         exclude: Callable[[int], bool] | set[int] | frozenset[int] | range,
+        min_relevance: float = 0.0,
     ) -> list[Excerpt]:
         excluded = exclude if callable(exclude) else exclude.__contains__
+        if min_relevance > 0 and scores:
+            best = max((v for d, v in scores.items() if not excluded(d)), default=0.0)
+            scores = {d: v for d, v in scores.items() if v >= min_relevance * best}
         toks = self._tokens
         if self._p.cost_alpha > 0:
             # Value per token: a long answer matching on a few words should not crowd out ten short turns.

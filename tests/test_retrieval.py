@@ -276,3 +276,15 @@ def test_nothing_is_recalled_for_a_question_the_recent_window_answers_better() -
     assert search(asked) == []
     assert [e.index for e in index.search(asked, budget_tokens=200, exclude=exclude, window_start=window,
                                           reach_back=1.0, dense=[(12, 0.9), (30, 0.2)])][:1] == [12]
+
+
+def test_weak_matches_are_left_out_when_min_relevance_is_set() -> None:
+    # One message matches the question on all its words, the filler on one common word only.
+    msgs = _conversation(60, plant={24: "We picked the kestrel-eu-2 cluster for the billing database."})
+    index = _index(msgs)
+    question = "Which cluster did we pick for the billing database, and what about time?"
+    filled = index.search(question, budget_tokens=5000)
+    assert 24 in {e.index for e in filled} and len(filled) > 1  # the budget has room for weak matches
+    strict = {e.index for e in index.search(question, budget_tokens=5000, min_relevance=0.5)}
+    # The match and what its session lends its neighbours; nothing from the filler sessions.
+    assert 24 in strict and strict <= set(range(20, 30))
