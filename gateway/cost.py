@@ -44,6 +44,9 @@ class Forwarded:
     # tokens up to it). A regenerate, a retry with another last message or a question asked beside
     # the last turn still reads that prefix from the cache.
     before_last: tuple[str, int] | None = None
+    # New excerpt tokens a searched turn of this conversation writes, on average so far (rewrite.py
+    # keeps it; None before the first search). The cost choice expects later turns to write as many.
+    excerpt_rate: float | None = None
 
     @property
     def total(self) -> int:
@@ -121,12 +124,12 @@ def billed_full(system: tuple[str, int], history_tokens: int, chains: Sequence[s
 
 
 def full_record(system: tuple[str, int], chains: Sequence[str], history_tokens: int, last_tokens: int,
-                now: float) -> Forwarded:
+                now: float, excerpt_rate: float | None = None) -> Forwarded:
     """The record of a full request whose messages have these chain hashes; `last_tokens`: its
     newest message's tokens."""
     before = (chains[-2], history_tokens - last_tokens) if len(chains) > 1 else None
     return Forwarded(True, (system[0], chains[-1] if chains else ""), (system[1], history_tokens), now,
-                     len(chains), before_last=before)
+                     len(chains), before_last=before, excerpt_rate=excerpt_rate)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,8 @@ from gateway.reconcile import Decision
 UNDER_THRESHOLD = "under-threshold"  # short enough to go whole
 REWRITTEN = "rewritten"
 OVER_BUDGET = "over-window"  # rewritten, and the window cut to fit the context budget (fold urgent)
+# Weight of a searched turn's new excerpt tokens in the conversation's running average (Draft.finish).
+EXCERPT_RATE_WEIGHT = 0.2
 NO_SAVING = "no-saving"  # the rewrite would not be smaller: the full history goes
 CHEAPER_CACHED = "cheaper-cached"  # the full history costs less with the provider's prompt cache
 NO_CLEAN_CUT = "no-clean-cut"  # the history opens inside a tool group: only the whole body is valid
@@ -294,22 +296,28 @@ class Draft:
         if plan.tokens_forwarded > inp.context_budget:
             return Outcome(replace(plan, reason=TOO_LARGE), None)
         items = _rewrite_items(inp, plan) if plan.kind == "rewritten" else None
+        rate = inp.last.excerpt_rate if inp.last is not None else None
+        if self.wants is not None and items is not None:
+            # What later turns will write is judged by what this conversation's searched turns
+            # wrote so far, starting from the worst case (each fills what the search may fill) so
+            # that a few turns that recalled nothing do not tip a cached full history into a rewrite
+            # whose later excerpts cost more than the history (a chat of short messages did).
+            block = items[2] - inp.new_tokens if plan.excerpts_block else 0
+            prior = float(self.wants.search_budget) if rate is None else rate
+            rate = prior + EXCERPT_RATE_WEIGHT * (block - prior)
         if items is not None and self._weigh_full:
-            # Later turns are weighed as filling what the search may fill, as a turn that reaches back
-            # does: one that recalled little or nothing (memory.retrieval.reach_back) does not say they
-            # will not, and switching away from a cached full history on its word cost more than the
-            # full history on a chat of short messages. (No record of the conversation: this turn alone.)
             later = 0
-            if self.wants is not None and inp.last is not None:
+            if self.wants is not None and inp.last is not None and rate is not None:
                 block = items[2] - inp.new_tokens if plan.excerpts_block else 0
-                later = max(0, self.wants.search_budget - block)
+                later = max(-block, round(rate) - block)
             plan = _cheaper(inp, plan, items, later)
         if plan.kind == "rewritten" and items is not None:
-            record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now, pins=layers.pins(plan))
+            record = cost.Forwarded(False, tuple(items[0]), tuple(items[1]), inp.now, pins=layers.pins(plan),
+                                    excerpt_rate=rate)
         else:
             h = inp.history
             record = cost.full_record((inp.system_hash, inp.system_tokens), inp.chains, h.total_tokens,
-                                      h.tail[-1].tokens if h.tail else 0, inp.now)
+                                      h.tail[-1].tokens if h.tail else 0, inp.now, rate)
         return Outcome(plan, record)
 
 

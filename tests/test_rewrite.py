@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from gateway import cost, rewrite
@@ -498,3 +499,41 @@ def test_a_turn_that_recalls_nothing_does_not_make_the_rewrite_look_cheaper() ->
                                 settings=no_recall, context_budget=100_000, count=count, system_hash="sys",
                                 chains=chains, new_tokens=100, last=last, now=10.0))
     assert draft.wants is None and draft.finish().plan.reason == rewrite.REWRITTEN
+
+
+def test_turns_that_recall_little_let_the_rewrite_win_later() -> None:
+    """The later turns' excerpts are judged by what this conversation's searched turns wrote: from
+    the worst case (the search budget) down, by each turn's new block. A conversation whose turns
+    keep recalling nothing switches to the rewrite after some turns; one whose turns recall most of
+    the budget keeps its cached full history longer."""
+    ts = turns(oa, [*chat(25), {"role": "user", "content": "question 25"}], tokens=100)
+    chains = chain_hashes([t.hash for t in ts])
+    settings = MemorySettings.model_validate(
+        {"message_threshold": 4, "keep_recent": 2, "policy": "cost", "retrieval_target_share": 0.0,
+         "retrieval_budget_tokens": 2_000, "retrieval_max_share": 1.0, "min_saving_share": 0.0})
+    cov = 40
+    history = History(head=[], tail=ts[cov:], tail_start=cov, total_messages=len(ts),
+                      total_tokens=sum(t.tokens for t in ts), summary=Summary(text="story", covers=cov, version=1,
+                                                                                 tokens=1))
+
+    def replay(picks: list[int], turns_: int) -> list[str]:
+        last = cost.full_record(("sys", 5), chains[:-2], sum(t.tokens for t in ts[:-2]), 100, 0.0)
+        reasons = []
+        for k in range(turns_):
+            draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="",
+                                        state_tokens=0, settings=settings, context_budget=100_000, count=count,
+                                        system_hash="sys", chains=chains, new_tokens=100, last=last,
+                                        now=10.0 + k))
+            assert draft.wants is not None
+            out = draft.finish([(p, ts[p]) for p in picks])
+            reasons.append(out.plan.reason)
+            # The next turn meets the same prefix cached (the full history as before: the test holds
+            # the history still) and this turn's estimate.
+            assert out.forwarded is not None
+            last = replace(last, at=10.0 + k, excerpt_rate=out.forwarded.excerpt_rate)
+        return reasons
+
+    quiet = replay([], 12)
+    assert quiet[0] == rewrite.CHEAPER_CACHED and quiet[-1] == rewrite.REWRITTEN
+    busy = replay(list(range(2, 38, 2)), 12)  # every turn recalls a block of most of the budget
+    assert busy[: quiet.index(rewrite.REWRITTEN) + 1] == [rewrite.CHEAPER_CACHED] * (quiet.index(rewrite.REWRITTEN) + 1)
