@@ -153,8 +153,8 @@ class RetrievalSettings(_Strict):
     # No new excerpts when a message of the recent window matches the question at least this many times
     # as well as the best earlier one (raw BM25): it asks about what the window holds. 0: always recall.
     reach_back: float = Field(1.5, ge=0)
-    # Excerpts scoring under this share of the best one are left out even when the budget has room:
-    # each is written to the provider's cache, and weak matches rarely hold the answer. 0: fill the budget.
+    # Excerpts scoring under this share of the best one are left out even when the budget has room
+    # (smaller requests; questions that need many weakly matching messages lose some). 0: fill the budget.
     min_relevance: float = Field(0.0, ge=0, le=1)
     # Hybrid retrieval: fuse the lexical ranking with a packaged embedding model's (gateway/embed.py;
     # needs the `embeddings` extra). Stored messages are embedded in the background, the question on

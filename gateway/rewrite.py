@@ -37,8 +37,6 @@ from gateway.reconcile import Decision
 UNDER_THRESHOLD = "under-threshold"  # short enough to go whole
 REWRITTEN = "rewritten"
 OVER_BUDGET = "over-window"  # rewritten, and the window cut to fit the context budget (fold urgent)
-# Weight of a searched turn's new excerpt tokens in the conversation's running average (Draft.finish).
-EXCERPT_RATE_WEIGHT = 0.2
 NO_SAVING = "no-saving"  # the rewrite would not be smaller: the full history goes
 CHEAPER_CACHED = "cheaper-cached"  # the full history costs less with the provider's prompt cache
 NO_CLEAN_CUT = "no-clean-cut"  # the history opens inside a tool group: only the whole body is valid
@@ -49,6 +47,8 @@ NOT_REWRITABLE = "not-rewritable"  # no history the gateway can rewrite (e.g. Re
 OTHER_DIALECT = "other-dialect"  # the conversation id is stored in another API's format
 DEGRADED = "degraded"  # the store is unreachable: sent unchanged, not recorded
 REASONS = (UNDER_THRESHOLD, REWRITTEN, OVER_BUDGET, NO_SAVING, CHEAPER_CACHED, NO_CLEAN_CUT, TOO_LARGE)
+# Weight of a searched turn's new excerpt tokens in the conversation's running mean (Draft.finish).
+EXCERPT_RATE_WEIGHT = 0.2
 
 _FIELD = re.compile(r"\{(\w+)\}")
 
@@ -297,18 +297,17 @@ class Draft:
             return Outcome(replace(plan, reason=TOO_LARGE), None)
         items = _rewrite_items(inp, plan) if plan.kind == "rewritten" else None
         rate = inp.last.excerpt_rate if inp.last is not None else None
+        block = items[2] - inp.new_tokens if items is not None and plan.excerpts_block else 0
         if self.wants is not None and items is not None:
             # What later turns will write is judged by what this conversation's searched turns
             # wrote so far, starting from the worst case (each fills what the search may fill) so
             # that a few turns that recalled nothing do not tip a cached full history into a rewrite
             # whose later excerpts cost more than the history (a chat of short messages did).
-            block = items[2] - inp.new_tokens if plan.excerpts_block else 0
             prior = float(self.wants.search_budget) if rate is None else rate
             rate = prior + EXCERPT_RATE_WEIGHT * (block - prior)
         if items is not None and self._weigh_full:
-            later = 0
+            later = 0  # no record of the conversation: this turn alone
             if self.wants is not None and inp.last is not None and rate is not None:
-                block = items[2] - inp.new_tokens if plan.excerpts_block else 0
                 later = max(-block, round(rate) - block)
             plan = _cheaper(inp, plan, items, later)
         if plan.kind == "rewritten" and items is not None:
