@@ -15,7 +15,7 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 3. Neighbours: a message also scores 0.3 x the scores of the messages right before and after it in
    the same session: a question and its answer sit side by side and the answer often does not
    repeat the question's words.
-4. Knapsack fill: messages are taken greedily by score / tokens^0.5, not by score: evidence is
+4. Knapsack fill: messages are taken greedily by score per token, not by score: evidence is
    mostly short user messages, while a long answer matching on a few words eats the budget.
 5. Whole sessions: each session is scored as one BM25 document; every message of a session above
    the median session gets 0.7 x (its excess / the best excess) x the best message score. Facts on
@@ -82,7 +82,7 @@ class RankingParams:
     session_weight: float = 0.7
     session_k1: float = 1.2
     time_weight: float = 0.5
-    cost_alpha: float = 0.5
+    cost_alpha: float = 1.0
     recent_weight: float = 0.2
     recent_terms: int = 8
     recent_texts: int = 2

@@ -288,3 +288,20 @@ def test_weak_matches_are_left_out_when_min_relevance_is_set() -> None:
     strict = {e.index for e in index.search(question, budget_tokens=5000, min_relevance=0.5)}
     # The match and what its session lends its neighbours; nothing from the filler sessions.
     assert 24 in strict and strict <= set(range(20, 30))
+
+
+def test_the_budget_goes_to_short_matching_turns_before_one_long_answer() -> None:
+    # A long answer that names every word of the question, and three short turns that each state one
+    # fact on it: the budget holds the answer or the turns, and the turns are what a question needs.
+    plant = {
+        21: "Kestrel backups, replication, failover and nodes: a long walkthrough of each in turn.",
+        30: "Kestrel is the name of our database cluster.",
+        40: "Backups run nightly at two.",
+        50: "We run three nodes in eu-west.",
+    }
+    msgs = _conversation(60, plant=plant)
+    tokens = [200] * len(msgs)
+    tokens[21] = 300
+    tokens[30] = tokens[40] = tokens[50] = 20
+    hits = _index(msgs, tokens).search("kestrel backups replication failover nodes", budget_tokens=300)
+    assert {30, 40, 50} <= {e.index for e in hits}
