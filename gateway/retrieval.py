@@ -471,7 +471,7 @@ class RetrievalIndex:
         closest to the query by embedding, best first (gateway/embed.py), fused with the lexical ranks.
         `window_start`, `reach_back`: the recent window's first position and step 8 of the ranking.
         `min_relevance`: messages scoring under this share of the best candidate are left out even
-        when the budget has room (each excerpt is a cache write; weak matches rarely answer)."""
+        when the budget has room (smaller requests; questions that need many weak matches lose some)."""
         n = len(self._lengths)
         if n == 0 or budget_tokens <= 0 or not (query or dense):
             return []
