@@ -96,6 +96,10 @@ class ResendParser:
         self.clock = clock
         self._known: OrderedDict[Hashable, _Known] = OrderedDict()
         self._bytes = 0
+        # Bytes held per body byte, as last measured: learning checks the room with it before its
+        # walk, so a cache kept full by hot conversations does not walk every new long body (twice
+        # the cost of parsing it) only to find that it does not fit.
+        self._ratio = 2.0
 
     def loads(self, key: Hashable | None, raw: bytes, field: str) -> Any:
         """What `orjson.loads(raw)` returns (or raises); `field` names the history array."""
@@ -147,7 +151,7 @@ class ResendParser:
     def _learn(self, key: Hashable, raw: bytes, body: Any, field: str) -> None:
         """Find the history's bounds in a body parsed whole, to parse only around it next time."""
         self._forget(key)
-        if not isinstance(body, dict) or not self._room(2 * len(raw)):  # at least twice: bytes and objects
+        if not isinstance(body, dict) or not self._room(int(self._ratio * len(raw))):
             return
         items = body.get(field)
         if not isinstance(items, list) or not items:
@@ -160,6 +164,7 @@ class ResendParser:
         end = _items_end(raw, start, b"[", items, after=after)
         if end is not None:
             size = end - start + held(items)
+            self._ratio = max(2.0, size / len(raw))  # at least twice: the bytes and their objects
             if self._room(size):
                 self._put(key, _Known(raw[start:end], tuple(items), self.clock(), size))
 

@@ -127,6 +127,35 @@ def test_memory_is_bounded_and_a_hot_set_is_not_thrashed() -> None:
     parser.loads(3, body, "messages")  # 1 has not been used for HOT_SECONDS: it makes room
     assert list(parser._known) == [0, 3]
 
+def test_a_cache_full_of_hot_conversations_does_not_walk_each_new_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Learning a body walks all it parsed to (as long again as parsing it whole). With the room
+    left by hot conversations short of what a body holds, but over twice its bytes, the parser
+    once walked every new conversation's body only to find it did not fit: it learns from the
+    conversation it keeps what a body holds per byte, and declines the others at once."""
+    import gateway.resend as resend
+
+    now = [0.0]
+    body = _body([_message(i, "x" * 100) for i in range(8)])
+    one = ResendParser(min_bytes=0)
+    one.loads(0, body, "messages")
+    per_body = one._bytes
+    assert per_body > 2 * len(body)  # the objects outweigh their JSON
+    # Room for one conversation and most of a second: more than twice the body's bytes, not all it holds.
+    parser = ResendParser(max_bytes=per_body + (per_body + 2 * len(body)) // 2, min_bytes=0, clock=lambda: now[0])
+    walks = [0]
+    real_held = resend.held
+
+    def counting(value: Any) -> int:
+        walks[0] += 1
+        return real_held(value)
+
+    monkeypatch.setattr(resend, "held", counting)
+    for k in range(10):
+        assert parser.loads(k, body, "messages") == orjson.loads(body)
+        now[0] += 1
+    assert list(parser._known) == [0]
+    assert walks[0] == 1  # the one kept; none of the nine that do not fit (each walked before)
+
 
 @pytest.mark.parametrize("parts", [1, 40])
 def test_the_bound_counts_the_parsed_objects_not_only_the_bytes(parts: int) -> None:
