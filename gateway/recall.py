@@ -4,7 +4,7 @@ The store holds every message; the lexical index over them lives here, one per c
 up to date as turns arrive (`extend`) and topped up from the store when another replica recorded
 turns this process has not seen (`ensure`). It is never rebuilt per request: a conversation's
 messages are read from Redis once per process, then only the new ones. Least-recently-used
-conversations are evicted past `max_conversations`.
+conversations are evicted past `max_bytes` (`memory.retrieval.index_cache_mb`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ SLICE_MESSAGES = 64
 SLICE_SECONDS = 0.002
 # Messages nearest the question by embedding that are fused with the lexical ranking.
 DENSE_TOP = 50
+# What one indexed message holds, roughly (measured with tracemalloc on both development sets): its
+# text, ~16 bytes per distinct term it posts, and its row. The cache's bound counts these.
+POSTING_BYTES = 16
+ROW_BYTES = 200
 
 T = TypeVar("T")
 
@@ -86,8 +90,10 @@ class Column(Generic[T]):
 @dataclass(slots=True)
 class _Entry:
     index: RetrievalIndex = field(default_factory=RetrievalIndex)
-    # Per position: (role, text, time, tokens, chain); tuples of strings and numbers, out of the GC's sight.
-    rows: Column[tuple[str, str, str | None, int, str]] = field(default_factory=Column)
+    # Per position: (role, text, time, tokens, chain, bytes held); tuples of strings and numbers, out
+    # of the GC's sight.
+    rows: Column[tuple[str, str, str | None, int, str, int]] = field(default_factory=Column)
+    size: int = 0  # bytes held, roughly: the sum of the rows' last field
     version: int = 0  # bumped by every change to the index: a remembered search is stale after one
     # Held while a catch-up yields mid-way: a concurrent request waits instead of indexing the same
     # positions a second time.
@@ -141,9 +147,14 @@ class Recalled:
 
 
 class RecallCache:
-    def __init__(self, max_conversations: int = 512, embedder: Any = None) -> None:
+    """The indexes of the conversations this process served last, within `max_bytes` (roughly:
+    an index of 500 coding-assistant messages holds ~2 MB). The least recently used go first; an
+    evicted conversation is read from the store and indexed again on its next request."""
+
+    def __init__(self, max_bytes: int = 512 << 20, embedder: Any = None) -> None:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._max = max_conversations
+        self.max_bytes = max_bytes
+        self._bytes = 0
         # gateway.embed.Embedder when memory.retrieval.embeddings is on: None never loads the model.
         self.embedder = embedder
 
@@ -151,26 +162,40 @@ class RecallCache:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)[1].dropped = True
         else:
             self._entries.move_to_end(key)
         return entry
+
+    def _evict(self) -> None:
+        """Drop least recently used indexes until within the bound; the newest stays whatever its size."""
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            old = self._entries.popitem(last=False)[1]
+            old.dropped = True
+            self._bytes -= old.size
 
     def forget(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             entry.dropped = True
+            self._bytes -= entry.size
 
     def _add(self, entry: _Entry, turns: Sequence[Message]) -> None:
         if turns:
             entry.version += 1
+        grown = 0
         for turn in turns:
             # Budgeted at what the excerpt will cost: its text plus its "[message N, role, time]"
             # header. Budgeting the text alone overfilled the block, and the renderer then dropped
             # whichever excerpts came last in the conversation, not the least relevant.
-            entry.index.add(len(entry.rows), turn.role, turn.text, turn.time, turn.tokens + EXCERPT_HEADER_TOKENS)
-            entry.rows.append((turn.role, turn.text, turn.time, turn.tokens, turn.chain))
+            terms = entry.index.add(len(entry.rows), turn.role, turn.text, turn.time,
+                                    turn.tokens + EXCERPT_HEADER_TOKENS)
+            size = len(turn.text) + POSTING_BYTES * terms + ROW_BYTES
+            entry.rows.append((turn.role, turn.text, turn.time, turn.tokens, turn.chain, size))
+            grown += size
+        entry.size += grown
+        if not entry.dropped:  # (an evicted entry a catch-up still fills is no longer counted)
+            self._bytes += grown
+            self._evict()
 
     def truncate(self, key: Hashable, length: int) -> None:
         """The conversation branched at `length`: positions from there on are no longer history."""
@@ -178,6 +203,9 @@ class RecallCache:
         if entry is not None and len(entry.rows) > length:
             entry.version += 1
             entry.index.truncate(length)
+            freed = sum(entry.rows[i][5] for i in range(max(0, length), len(entry.rows)))
+            entry.size -= freed
+            self._bytes -= freed
             entry.rows.truncate(length)
             entry.cuts += 1
             entry.embedded = min(entry.embedded, length)

@@ -352,8 +352,9 @@ class RetrievalIndex:
     def __len__(self) -> int:
         return len(self._lengths)
 
-    def add(self, index: int, role: str, text: str, time: str | None, tokens: int) -> None:
-        """Index the message at `index` (must equal len(self): appends only)."""
+    def add(self, index: int, role: str, text: str, time: str | None, tokens: int) -> int:
+        """Index the message at `index` (must equal len(self): appends only). Returns how many
+        distinct terms it posted (what it grew the index by)."""
         if index != len(self._lengths):
             raise ValueError(f"add({index}) on an index of {len(self._lengths)} messages: appends only")
         p = self._p
@@ -405,6 +406,7 @@ class RetrievalIndex:
         self._tokens.append(max(0, tokens))
         self._cost.append(max(tokens, 1) ** p.cost_alpha)
         self._total_len += len(terms)
+        return len(tf)
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (the conversation branched)."""

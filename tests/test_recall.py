@@ -165,3 +165,59 @@ def test_a_long_column_keeps_only_its_last_chunk_in_the_gc_sight() -> None:
     walked = sum(len(gc.get_referents(c)) for c in col._chunks if gc.is_tracked(c))
     assert walked == 0
     assert len(col._tail) == 7
+
+
+async def test_the_indexes_of_many_long_conversations_stay_within_their_memory_bound() -> None:
+    """`memory.retrieval.index_cache_mb` bounds what the indexes really hold, whatever the
+    conversations' length (the cache used to keep 512 conversations of any size): the least
+    recently used go, one still in use stays searchable, and an evicted one is indexed again
+    from the store at its next sync."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(7)
+    vocab = [f"term{i}" for i in range(3000)]
+
+    def conversation(n: int) -> list[str]:
+        return [f"about label{n} " + " ".join(rng.choice(vocab) for _ in range(150)) for _ in range(200)]
+
+    bound = 3 << 20
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        cache = RecallCache(bound)
+        fetched: list[int] = []
+        for n in range(16):
+            texts = conversation(n)
+
+            async def fetch(a: int, b: int, texts: list[str] = texts, n: int = n) -> list[Message]:
+                fetched.append(n)
+                return _turns(texts[a:b], a)
+
+            await cache.sync(n, _turns(texts[-2:], 198), 198, fetch)
+            if n == 0:
+                first = texts
+            await cache.sync(0, _turns(first[-2:], 198), 198, fetch)  # conversation 0 keeps being used
+            assert cache.search(0, query="label0", before=200, budget_tokens=50)
+            del texts
+        del first
+        gc.collect()
+        holding = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # 16 conversations of 200 messages of ~1.2 KB hold well over 10 MB; the bound's estimate keeps
+    # them near 3 MB (allowing for the texts' object headers and the index's own dicts).
+    assert holding < 1.5 * bound
+    assert cache._bytes <= bound
+    kept = list(cache._entries)
+    assert 0 in kept and 15 in kept and 1 not in kept and fetched.count(0) == 1
+    assert cache.search(15, query="label15", before=200, budget_tokens=50)
+    # An evicted conversation is read from the store again at its next sync, then searchable.
+    texts1 = conversation(1)
+
+    async def fetch1(a: int, b: int) -> list[Message]:
+        fetched.append(1)
+        return _turns(texts1[a:b], a)
+
+    await cache.sync(1, _turns(texts1[-2:], 198), 198, fetch1)
+    assert fetched.count(1) == 2 and cache.search(1, query="label1", before=200, budget_tokens=50)
