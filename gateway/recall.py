@@ -10,6 +10,7 @@ conversations are evicted past `max_bytes` (`memory.retrieval.index_cache_mb`).
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
@@ -33,6 +34,8 @@ DENSE_TOP = 50
 # text, ~16 bytes per distinct term it posts, and its row. The cache's bound counts these.
 POSTING_BYTES = 16
 ROW_BYTES = 200
+ENTRY_BYTES = 2048  # an empty index's arrays and dicts
+VECTOR_BYTES = 768  # a message's int8 embedding (384 dimensions), its array grown by doubling
 
 T = TypeVar("T")
 
@@ -161,17 +164,27 @@ class RecallCache:
     def _entry(self, key: Hashable) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry()
+            entry = self._entries[key] = _Entry(size=ENTRY_BYTES)
+            self._bytes += ENTRY_BYTES
+            self._evict(entry)
         else:
             self._entries.move_to_end(key)
         return entry
 
-    def _evict(self) -> None:
-        """Drop least recently used indexes until within the bound; the newest stays whatever its size."""
-        while self._bytes > self.max_bytes and len(self._entries) > 1:
-            old = self._entries.popitem(last=False)[1]
+    def _evict(self, growing: _Entry) -> None:
+        """Drop least recently used indexes until within the bound. Never the one growing, nor one a
+        request is bringing up to date (its lock held): that request would then search nothing."""
+        if self._bytes <= self.max_bytes:
+            return
+        for key in list(self._entries):
+            old = self._entries[key]
+            if old is growing or old.lock.locked():
+                continue
+            del self._entries[key]
             old.dropped = True
             self._bytes -= old.size
+            if self._bytes <= self.max_bytes:
+                return
 
     def forget(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
@@ -183,29 +196,35 @@ class RecallCache:
         if turns:
             entry.version += 1
         grown = 0
+        vector = VECTOR_BYTES if self.embedder is not None else 0
         for turn in turns:
             # Budgeted at what the excerpt will cost: its text plus its "[message N, role, time]"
             # header. Budgeting the text alone overfilled the block, and the renderer then dropped
             # whichever excerpts came last in the conversation, not the least relevant.
             terms = entry.index.add(len(entry.rows), turn.role, turn.text, turn.time,
                                     turn.tokens + EXCERPT_HEADER_TOKENS)
-            size = len(turn.text) + POSTING_BYTES * terms + ROW_BYTES
+            size = sys.getsizeof(turn.text) + POSTING_BYTES * terms + ROW_BYTES + vector
             entry.rows.append((turn.role, turn.text, turn.time, turn.tokens, turn.chain, size))
             grown += size
         entry.size += grown
         if not entry.dropped:  # (an evicted entry a catch-up still fills is no longer counted)
             self._bytes += grown
-            self._evict()
+            self._evict(entry)
 
     def truncate(self, key: Hashable, length: int) -> None:
         """The conversation branched at `length`: positions from there on are no longer history."""
         entry = self._entries.get(key)
-        if entry is not None and len(entry.rows) > length:
+        if entry is not None:
+            self._cut(entry, length)
+
+    def _cut(self, entry: _Entry, length: int) -> None:
+        if len(entry.rows) > length:
             entry.version += 1
             entry.index.truncate(length)
             freed = sum(entry.rows[i][5] for i in range(max(0, length), len(entry.rows)))
             entry.size -= freed
-            self._bytes -= freed
+            if not entry.dropped:
+                self._bytes -= freed
             entry.rows.truncate(length)
             entry.cuts += 1
             entry.embedded = min(entry.embedded, length)
@@ -224,7 +243,7 @@ class RecallCache:
                 if pos >= len(entry.rows):
                     break
                 if entry.rows[pos][4] != turn.chain:
-                    self.truncate(key, pos)
+                    self._cut(entry, pos)  # this entry: the key may name a newer one if it was evicted
                     break
             have = len(entry.rows)
             if have < tail_start:

@@ -221,3 +221,29 @@ async def test_the_indexes_of_many_long_conversations_stay_within_their_memory_b
 
     await cache.sync(1, _turns(texts1[-2:], 198), 198, fetch1)
     assert fetched.count(1) == 2 and cache.search(1, query="label1", before=200, budget_tokens=50)
+
+
+async def test_an_index_being_brought_up_to_date_is_not_evicted_under_it() -> None:
+    """A catch-up yields to the event loop between slices; another conversation growing the cache
+    past its bound meanwhile must not evict the index that request is about to search."""
+    import asyncio
+
+    def texts(label: str) -> list[str]:
+        return [f"{label} " + " ".join(f"w{(i * 7 + j) % 997}" for j in range(120)) for i in range(300)]
+
+    a, b = texts("alpha"), texts("beta")
+    cache = RecallCache(max_bytes=100_000)  # less than either conversation holds
+
+    async def fetch_a(lo: int, hi: int) -> list[Message]:
+        return _turns(a[lo:hi], lo)
+
+    async def fetch_b(lo: int, hi: int) -> list[Message]:
+        await asyncio.sleep(0)
+        return _turns(b[lo:hi], lo)
+
+    async def request(key: str, history: list[str], fetch: Any) -> list[Any]:
+        await cache.sync(key, _turns(history[-2:], 298), 298, fetch)  # as the memory path: sync, then search
+        return cache.search(key, query=history[0].split()[0], before=300, budget_tokens=100)
+
+    found_a, found_b = await asyncio.gather(request("a", a, fetch_a), request("b", b, fetch_b))
+    assert found_a and found_b
