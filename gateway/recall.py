@@ -96,7 +96,7 @@ class _Entry:
     # Per position: (role, text, time, tokens, chain, bytes held); tuples of strings and numbers, out
     # of the GC's sight.
     rows: Column[tuple[str, str, str | None, int, str, int]] = field(default_factory=Column)
-    size: int = 0  # bytes held, roughly: the sum of the rows' last field
+    size: int = 0  # bytes held, roughly: ENTRY_BYTES and the sum of the rows' last field
     version: int = 0  # bumped by every change to the index: a remembered search is stale after one
     # Held while a catch-up yields mid-way: a concurrent request waits instead of indexing the same
     # positions a second time.
