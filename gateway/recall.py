@@ -164,12 +164,19 @@ class RecallCache:
     def _entry(self, key: Hashable) -> _Entry:
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(size=ENTRY_BYTES)
-            self._bytes += ENTRY_BYTES
-            self._evict(entry)
+            entry = self._entries[key] = _Entry()
+            self._grow(entry, ENTRY_BYTES)
         else:
             self._entries.move_to_end(key)
         return entry
+
+    def _grow(self, entry: _Entry, change: int) -> None:
+        """Count `change` bytes more (or fewer) held by `entry`, evicting others past the bound. An
+        evicted entry a catch-up still fills is no longer counted in the cache's total."""
+        entry.size += change
+        if not entry.dropped:
+            self._bytes += change
+            self._evict(entry)
 
     def _evict(self, growing: _Entry) -> None:
         """Drop least recently used indexes until within the bound. Never the one growing, nor one a
@@ -206,10 +213,7 @@ class RecallCache:
             size = sys.getsizeof(turn.text) + POSTING_BYTES * terms + ROW_BYTES + vector
             entry.rows.append((turn.role, turn.text, turn.time, turn.tokens, turn.chain, size))
             grown += size
-        entry.size += grown
-        if not entry.dropped:  # (an evicted entry a catch-up still fills is no longer counted)
-            self._bytes += grown
-            self._evict(entry)
+        self._grow(entry, grown)
 
     def truncate(self, key: Hashable, length: int) -> None:
         """The conversation branched at `length`: positions from there on are no longer history."""
@@ -221,10 +225,7 @@ class RecallCache:
         if len(entry.rows) > length:
             entry.version += 1
             entry.index.truncate(length)
-            freed = sum(entry.rows[i][5] for i in range(max(0, length), len(entry.rows)))
-            entry.size -= freed
-            if not entry.dropped:
-                self._bytes -= freed
+            self._grow(entry, -sum(entry.rows[i][5] for i in range(max(0, length), len(entry.rows))))
             entry.rows.truncate(length)
             entry.cuts += 1
             entry.embedded = min(entry.embedded, length)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import random
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -75,8 +78,6 @@ def _many(n: int) -> list[str]:
 
 async def test_cold_catch_up_gives_the_event_loop_back() -> None:
     """Indexing hundreds of stored messages at once (a cold index) lets other requests run meanwhile."""
-    import asyncio
-
     texts = _many(400)
     cache = RecallCache()
     ticks = 0
@@ -172,9 +173,6 @@ async def test_the_indexes_of_many_long_conversations_stay_within_their_memory_b
     conversations' length (the cache used to keep 512 conversations of any size): the least
     recently used go, one still in use stays searchable, and an evicted one is indexed again
     from the store at its next sync."""
-    import random
-    import tracemalloc
-
     rng = random.Random(7)
     vocab = [f"term{i}" for i in range(3000)]
 
