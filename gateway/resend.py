@@ -58,6 +58,7 @@ _MAX_AROUND_BYTES = 256 << 10
 # conversations than the bound holds, learning each one anew (~2x a whole parse) on every request
 # and evicting the next would cost more than parsing whole; a steady set is kept instead.
 HOT_SECONDS = 30.0
+_SAMPLE_BYTES = 16 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,23 @@ def held(value: Any) -> int:
     return total
 
 
+def estimate_held(raw: bytes) -> int:
+    """About what learning `raw` would hold (the bytes kept and `held` of their objects), from a
+    slice of at most _SAMPLE_BYTES: checked before the walk that measures it, so a cache kept full
+    by hot conversations does not walk every new long body (twice the cost of parsing it) only to
+    find that it does not fit. Per body, not per process: one body of many small parts (over 10x
+    its bytes) says nothing of the next (about 2-3x). Each string, object and array costs its
+    header (CPython's sizes) besides the text, which is counted twice (the bytes and the str)."""
+    mid = len(raw) // 2
+    sample = raw[max(0, mid - _SAMPLE_BYTES // 2): mid + _SAMPLE_BYTES // 2] or b" "
+    # Quotes inside text are escaped, so `{"`, `[{"` and `["` open a JSON object or array where
+    # brackets in quoted code do not (a pretty-printed body is underestimated: one walk too many).
+    strings = (sample.count(b'"') - sample.count(b'\\"')) / 2
+    arrays = sample.count(b'[{"') + sample.count(b'["')
+    overhead = 49 * strings + 184 * sample.count(b'{"') + 56 * arrays
+    return int(len(raw) * (2 + overhead / len(sample)))
+
+
 class ResendParser:
     """`orjson.loads` that remembers, per key, the last body's history items (LRU, bounded by the
     bytes they hold, parsed objects included)."""
@@ -96,10 +114,6 @@ class ResendParser:
         self.clock = clock
         self._known: OrderedDict[Hashable, _Known] = OrderedDict()
         self._bytes = 0
-        # Bytes held per body byte, as last measured: learning checks the room with it before its
-        # walk, so a cache kept full by hot conversations does not walk every new long body (twice
-        # the cost of parsing it) only to find that it does not fit.
-        self._ratio = 2.0
 
     def loads(self, key: Hashable | None, raw: bytes, field: str) -> Any:
         """What `orjson.loads(raw)` returns (or raises); `field` names the history array."""
@@ -151,7 +165,7 @@ class ResendParser:
     def _learn(self, key: Hashable, raw: bytes, body: Any, field: str) -> None:
         """Find the history's bounds in a body parsed whole, to parse only around it next time."""
         self._forget(key)
-        if not isinstance(body, dict) or not self._room(int(self._ratio * len(raw))):
+        if not isinstance(body, dict) or not self._room(estimate_held(raw)):
             return
         items = body.get(field)
         if not isinstance(items, list) or not items:
@@ -164,7 +178,6 @@ class ResendParser:
         end = _items_end(raw, start, b"[", items, after=after)
         if end is not None:
             size = end - start + held(items)
-            self._ratio = max(2.0, size / len(raw))  # at least twice: the bytes and their objects
             if self._room(size):
                 self._put(key, _Known(raw[start:end], tuple(items), self.clock(), size))
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.resend import HOT_SECONDS, ResendParser
+from gateway.resend import HOT_SECONDS, ResendParser, estimate_held
 
 
 def _message(i: int, text: str = "") -> dict[str, Any]:
@@ -155,6 +155,42 @@ def test_a_cache_full_of_hot_conversations_does_not_walk_each_new_body(monkeypat
         now[0] += 1
     assert list(parser._known) == [0]
     assert walks[0] == 1  # the one kept; none of the nine that do not fit (each walked before)
+
+
+@pytest.mark.parametrize("content", [
+    pytest.param([{"type": "text", "text": "p.1"}] * 40, id="many-small-parts"),
+    pytest.param("word " * 60, id="prose"),
+    pytest.param('def f(x):\n    return {"a": [x, "{b}"], \'c\': [{"d": 1}]}\n' * 20, id="quoted-code"),
+    pytest.param("naïve café 東京 " * 30, id="non-ascii"),
+])
+def test_the_room_check_estimates_what_a_body_holds(content: Any) -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content} for _ in range(200)]})
+    parser = ResendParser(min_bytes=0)
+    parser.loads("c", body, "messages")
+    assert 0.75 * parser._bytes <= estimate_held(body) <= 1.3 * parser._bytes
+
+
+def test_one_body_of_many_small_parts_does_not_turn_ordinary_bodies_away() -> None:
+    """The room check before learning estimates each body's own weight: it once used the last body
+    measured, so one body of many small content parts (over 10x its bytes) made the parser decline
+    every ordinary body (about 3x) that fit, which then went unremembered."""
+    dense = orjson.dumps({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": f"p{i}.{j}"} for j in range(40)]} for i in range(300)]})
+    ordinary = [orjson.dumps({"model": "m", "messages": [
+        {"role": "user", "content": f"conversation {k}: " + "word " * 60} for _ in range(300)]}) for k in range(3)]
+    probe = ResendParser(min_bytes=0)
+    probe.loads(0, dense, "messages")
+    dense_size = probe._bytes
+    probe = ResendParser(min_bytes=0)
+    probe.loads(0, ordinary[0], "messages")
+    ordinary_size = probe._bytes
+    assert dense_size > 10 * len(dense) and ordinary_size < 4 * len(ordinary[0])
+    room = dense_size + 3 * ordinary_size + ordinary_size // 10
+    parser = ResendParser(max_bytes=room, min_bytes=0, clock=lambda: 0.0)
+    parser.loads("dense", dense, "messages")
+    for k, body in enumerate(ordinary):
+        assert parser.loads(k, body, "messages") == orjson.loads(body)
+    assert list(parser._known) == ["dense", 0, 1, 2]
 
 
 @pytest.mark.parametrize("parts", [1, 40])
