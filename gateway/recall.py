@@ -96,7 +96,8 @@ class _Entry:
     # Per position: (role, text, time, tokens, chain, bytes held); tuples of strings and numbers, out
     # of the GC's sight.
     rows: Column[tuple[str, str, str | None, int, str, int]] = field(default_factory=Column)
-    size: int = 0  # bytes held, roughly: ENTRY_BYTES and the sum of the rows' last field
+    size: int = 0  # bytes held, roughly: ENTRY_BYTES, the sum of the rows' last field and `side`
+    side: int = 0  # the index's `side_bytes` as last counted in `size` (what its searches keep)
     version: int = 0  # bumped by every change to the index: a remembered search is stale after one
     # Held while a catch-up yields mid-way: a concurrent request waits instead of indexing the same
     # positions a second time.
@@ -193,6 +194,13 @@ class RecallCache:
             if self._bytes <= self.max_bytes:
                 return
 
+    def _count_side(self, entry: _Entry) -> None:
+        """Count what the index's searches keep (per queried term) since it was last counted."""
+        change = entry.index.side_bytes - entry.side
+        if change:
+            entry.side = entry.index.side_bytes
+            self._grow(entry, change)
+
     def forget(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
@@ -226,6 +234,7 @@ class RecallCache:
             entry.version += 1
             entry.index.truncate(length)
             self._grow(entry, -sum(entry.rows[i][5] for i in range(max(0, length), len(entry.rows))))
+            self._count_side(entry)
             entry.rows.truncate(length)
             entry.cuts += 1
             entry.embedded = min(entry.embedded, length)
@@ -315,6 +324,7 @@ class RecallCache:
             query, budget_tokens=budget_tokens, exclude=excluded, recent=recent, query_time=query_time, dense=dense,
             window_start=before, reach_back=reach_back, min_relevance=min_relevance,
         )
+        self._count_side(entry)
         rows = entry.rows
         found = [Recalled(h.index, *rows[h.index][:4]) for h in hits]
         entry.last = (args, entry.version, found)

@@ -58,6 +58,8 @@ from datetime import date, datetime, timedelta
 # Native uint32, the item format memoryview.cast("I") reads back.
 _ONE = struct.Struct("=I").pack
 _PAIR = struct.Struct("=II").pack
+# A `_sess_tf` entry's own objects (dict slot, tuple, int, bytes header), besides its packed bytes.
+SESS_TF_BYTES = 160
 
 __all__ = ["Excerpt", "RankingParams", "RetrievalIndex"]
 
@@ -325,7 +327,7 @@ class RetrievalIndex:
 
     __slots__ = (
         "_cost", "_events", "_last_secs", "_lengths", "_p", "_postings", "_secs", "_sess_len", "_sess_start",
-        "_sess_tf", "_session", "_tokens", "_total_len",
+        "_sess_tf", "_session", "_tokens", "_total_len", "side_bytes",
     )
 
     def __init__(self, params: RankingParams | None = None) -> None:
@@ -338,6 +340,7 @@ class RetrievalIndex:
         # postings when the term is queried again, instead of summing every posting per query.
         # Only queried terms with several postings: a copy for every term would double the index.
         self._sess_tf: dict[str, tuple[int, bytes]] = {}  # packed array("Q"), bytes for the GC's sake
+        self.side_bytes = 0  # what `_sess_tf` holds, roughly: searches grow it (recall.py counts it)
         self._lengths = array("I")  # indexed words per message (BM25 length)
         self._tokens = array("I")  # caller's token count per message (budgeting)
         self._cost = array("d")  # max(tokens, 1) ** cost_alpha: the fill's divisor, computed once
@@ -451,6 +454,7 @@ class RetrievalIndex:
             start = self._sess_start[-1]
             self._sess_len[-1] = sum(self._lengths[start:length])
         self._sess_tf.clear()  # rare (a branch): rebuilt from the postings as terms are queried
+        self.side_bytes = 0
 
     def search(
         self,
@@ -612,9 +616,10 @@ class RetrievalIndex:
         session = self._session
         if isinstance(entry, int):
             return (session[entry >> 8] << 32 | (entry & 255),)
-        done, kept = self._sess_tf.get(term) or (0, b"")
+        done, kept = self._sess_tf.get(term) or (0, None)
         sess = array("Q")
-        sess.frombytes(kept)
+        if kept is not None:
+            sess.frombytes(kept)
         view = memoryview(entry).cast("I")
         if done < len(view):
             for i in range(done, len(view)):
@@ -624,7 +629,9 @@ class RetrievalIndex:
                     sess[-1] += packed & 255
                 else:
                     sess.append(s << 32 | (packed & 255))
-            self._sess_tf[term] = (len(view), sess.tobytes())
+            packed_tf = sess.tobytes()
+            self._sess_tf[term] = (len(view), packed_tf)
+            self.side_bytes += len(packed_tf) - (len(kept) if kept is not None else -SESS_TF_BYTES)
         return sess
 
     def _add_time_prior(self, spans: list[_Span], scores: dict[int, float], n: int, top: float) -> None:

@@ -221,6 +221,36 @@ async def test_the_indexes_of_many_long_conversations_stay_within_their_memory_b
     assert fetched.count(1) == 2 and cache.search(1, query="label1", before=200, budget_tokens=50)
 
 
+async def test_what_searches_keep_in_an_index_counts_against_the_bound() -> None:
+    """Each queried term keeps its per-session frequencies for the next search: many different
+    questions over a long conversation of many sessions grow the index, and the bound must see it."""
+    rng = random.Random(3)
+    vocab = [f"term{i}" for i in range(3000)]
+    texts = [" ".join(rng.choice(vocab) for _ in range(60)) for _ in range(600)]
+    turns = [Message(raw={}, role="user" if i % 2 == 0 else "assistant", text=t, tokens=60, hash=f"h{i}",
+                     chain=f"c{i}", time=f"2024-01-{1 + i // 20:02d}T10:00:00") for i, t in enumerate(texts)]
+
+    async def fetch(a: int, b: int) -> list[Message]:
+        return turns[a:b]
+
+    cache = RecallCache(64 << 20)
+    await cache.sync("c", turns[-2:], 598, fetch)
+    counted = cache._bytes
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for q in range(400):
+            assert cache.search("c", query=" ".join(vocab[(q * 7 + j) % 3000] for j in range(8)),
+                                before=590, budget_tokens=200)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown > 200 << 10
+    assert 0.6 * grown <= cache._bytes - counted <= 2 * grown
+
+
 async def test_an_index_being_brought_up_to_date_is_not_evicted_under_it() -> None:
     """A catch-up yields to the event loop between slices; another conversation growing the cache
     past its bound meanwhile must not evict the index that request is about to search."""
