@@ -10,7 +10,9 @@ process); `--instant` makes the upstream answer with no delay. `--writers W`: W 
 each conversation at once, each resending the shared history plus its own turn. `--soak MINUTES`
 keeps new conversations arriving for that long and samples the gateway's RSS.
 
-Prints throughput, latency percentiles, errors, and lost / duplicated / reordered user turns: lost
+Prints throughput, latency percentiles (and, apart, how much of them was spent waiting for one of
+this generator's own `--concurrency` connections: with more conversations than that, it is the
+client's queue, not the gateway), errors, and lost / duplicated / reordered user turns: lost
 means stored on no branch (the history or one it abandoned, /gateway/conversations/ID/branches),
 duplicated means twice on one branch; turns kept only on an abandoned branch are counted apart.
 """
@@ -79,18 +81,37 @@ async def start_gateway(redis: str, upstream: str, connections: int,
     raise SystemExit(f"gateway did not start: {(tmp / 'err.log').read_text()[-2000:]}")
 
 
+def queue_tracer() -> aiohttp.TraceConfig:
+    """Adds to each request's `trace_request_ctx["queued"]` the time it waited for a pooled connection."""
+    tracer = aiohttp.TraceConfig()
+
+    async def start(session: Any, ctx: Any, params: Any) -> None:
+        ctx.queued_at = time.perf_counter()
+
+    async def end(session: Any, ctx: Any, params: Any) -> None:
+        ctx.trace_request_ctx["queued"] += time.perf_counter() - ctx.queued_at
+
+    tracer.on_connection_queued_start.append(start)
+    tracer.on_connection_queued_end.append(end)
+    return tracer
+
+
 class Run:
     def __init__(self, url: str, http: aiohttp.ClientSession) -> None:
         self.url, self.http = url, http
         self.latencies: list[float] = []
+        # Of each latency, the time spent waiting for one of this generator's own connections
+        # (`--concurrency`): with more conversations than connections that queue is the client's.
+        self.queued: list[float] = []
         self.errors: dict[str, int] = {}
         self.sent: dict[str, list[str]] = {}  # conversation → user turns sent (2xx answers only)
 
     async def turn(self, conv: str, history: list[dict[str, Any]], text: str) -> str | None:
         body = {"model": "gpt-test", "messages": [*history, {"role": "user", "content": text}]}
         t = time.perf_counter()
+        waited = {"queued": 0.0}
         try:
-            async with self.http.post(self.url + "/v1/chat/completions", json=body, headers={
+            async with self.http.post(self.url + "/v1/chat/completions", json=body, trace_request_ctx=waited, headers={
                     "Authorization": f"Bearer {KEY}", "X-Conversation-Id": conv}) as r:
                 data = await r.json(content_type=None)
                 status = r.status
@@ -98,6 +119,7 @@ class Run:
             self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
             return None
         self.latencies.append(time.perf_counter() - t)
+        self.queued.append(waited["queued"])
         if status != 200:
             self.errors[str(status)] = self.errors.get(str(status), 0) + 1
             return None
@@ -222,7 +244,7 @@ async def main(args: argparse.Namespace) -> None:
         try:
             timeout = aiohttp.ClientTimeout(total=60)
             conn = aiohttp.TCPConnector(limit=args.concurrency)
-            async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+            async with aiohttp.ClientSession(timeout=timeout, connector=conn, trace_configs=[queue_tracer()]) as http:
                 run = Run(url, http)
                 t0 = time.perf_counter()
                 convs: list[str] = []
@@ -257,6 +279,10 @@ async def main(args: argparse.Namespace) -> None:
         print(f"requests {n} in {elapsed:.1f} s: {n / elapsed:.0f} req/s; "
               f"latency p50 {pct(run.latencies, 50):.1f} ms, p95 {pct(run.latencies, 95):.1f} ms, "
               f"p99 {pct(run.latencies, 99):.1f} ms, max {pct(run.latencies, 100):.1f} ms")
+        served = [total - queued for total, queued in zip(run.latencies, run.queued, strict=True)]
+        print(f"  of which waiting for one of the {args.concurrency} client connections: "
+              f"p50 {pct(run.queued, 50):.1f} ms, p99 {pct(run.queued, 99):.1f} ms; "
+              f"after it: p50 {pct(served, 50):.1f} ms, p95 {pct(served, 95):.1f} ms, p99 {pct(served, 99):.1f} ms")
         print(f"errors {sum(run.errors.values())} {run.errors or ''}")
         print(f"gateway: unrecorded {unrecorded or 0}; logged {logged or 'no warning'}")
         print(f"user turns sent {sum(len(v) for v in run.sent.values())}: "
