@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from gateway.embed import nearest
 from gateway.model import Message
@@ -141,8 +141,7 @@ class _Entry:
         self.embedded = need
 
 
-@dataclass(frozen=True, slots=True)
-class Recalled:
+class Recalled(NamedTuple):  # a tuple: built per hit per search, ~3x cheaper than a frozen dataclass
     position: int
     role: str
     text: str

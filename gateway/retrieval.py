@@ -64,7 +64,7 @@ SESS_TF_BYTES = 160
 __all__ = ["Excerpt", "RankingParams", "RetrievalIndex"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per hit per search: not frozen, whose __init__ costs 3x
 class Excerpt:
     index: int  # position of the message in the conversation (0-based)
     score: float
