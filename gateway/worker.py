@@ -337,22 +337,30 @@ class FoldWorker:
             return await self._fold_locked(ref, urgent=urgent)
         finally:
             timer.cancel()
-            for beat in beats:
-                beat.cancel()
-                with contextlib.suppress(BaseException):
-                    await beat
-            # Shielded: a cancelled worker still frees the conversation for the next one.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.jobs.unlock(ref, token))
+            try:
+                for beat in beats:
+                    beat.cancel()
+                if beats:  # waited, not awaited: a cancel of this worker itself still propagates
+                    await asyncio.wait(beats)
+            finally:
+                # Shielded: a cancelled worker still frees the conversation for the next one.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.jobs.unlock(ref, token))
 
     async def _heartbeat(self, ref: ConvRef, job_id: str | None, ttl_ms: int) -> None:
         """Keep a long fold's lock and job from looking abandoned (reclaim after claim_idle_ms).
 
         Started a third of the ttl into the fold: beats at once, then every third of the ttl.
         """
+        task = asyncio.current_task()
         while True:
             with contextlib.suppress(Exception):
                 await self.jobs.keep(ref, job_id, self.name, ttl_ms)
+            # The fold is over, but the store client swallowed the cancel (redis-py sends through
+            # asyncio.wait_for, which on Python 3.11 can lose one: CPython gh-86296). Beating on
+            # would keep the fold waiting for this task forever, and its lock fresh.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             await asyncio.sleep(ttl_ms / 3000)
 
     async def _fold_locked(self, ref: ConvRef, *, urgent: bool) -> str:

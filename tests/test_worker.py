@@ -372,3 +372,48 @@ async def test_prune_removes_idle_consumers_with_nothing_pending(store: Store) -
     assert await _consumers(store) == {"holder": 1}
     assert not await jobs.retire("holder")
     assert await _consumers(store) == {"holder": 1}
+
+
+class _SwallowsACancel:
+    """The fold queue, but `keep` (the heartbeat's call) runs until cancelled and swallows the
+    first cancel, as redis-py's commands can on Python 3.11 (they send through asyncio.wait_for,
+    which returns the result of a send that finished as the cancel arrived: CPython gh-86296)."""
+
+    def __init__(self, jobs: Any) -> None:
+        self._jobs = jobs
+        self.swallowed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jobs, name)
+
+    async def keep(self, *args: Any) -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if self.swallowed:
+                raise
+            self.swallowed += 1
+
+
+async def test_a_fold_ends_even_when_its_heartbeat_swallows_a_cancel(store: Store) -> None:
+    """A heartbeat whose cancel is lost still ends with its fold: else the fold never returns, its
+    worker never stops (a shutdown waits the whole grace period) and the lock is kept fresh forever."""
+    settings = with_worker(Settings(), claim_idle_ms=150)  # a beat 50 ms into the fold
+    w = worker.FoldWorker(store, settings, build_summarizer(settings, count), name="w1")
+    jobs = w.jobs = _SwallowsACancel(store.folds)
+    cpu = w.cpu
+
+    class SlowCPU:
+        async def fold(self, *args: Any) -> Any:
+            await asyncio.sleep(0.3)  # the heartbeat is in `keep` when the fold ends
+            return await cpu.fold(*args)
+
+    w.cpu = SlowCPU()  # type: ignore[assignment]
+    await add(store, REF, numbered(0, 20))
+    task = asyncio.create_task(w.fold_conversation(REF))
+    done, _ = await asyncio.wait({task}, timeout=5)
+    if not done:  # before the fix: the fold waits on its heartbeat forever
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
+    assert jobs.swallowed == 1
+    assert task in done and task.result() == "ok"
