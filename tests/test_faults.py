@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 import pytest
 import yaml
+from redis import asyncio as aioredis
 
 from gateway.testing import FakeUpstream
 from tests.conftest import RedisProcess, free_port
@@ -234,36 +235,72 @@ async def test_summarizer_failing_never_fails_a_request(redis: RedisProcess) -> 
             assert await settled(c) == c.answered
 
 
+async def _held_fold_jobs(r: Any) -> int:
+    """Fold jobs delivered to a worker and not yet acknowledged (a fold under way)."""
+    try:
+        return int((await r.xpending("gw:folds", "fold-workers"))["pending"])
+    except aioredis.ResponseError:  # no job queued yet: no group
+        return 0
+
+
 async def test_worker_killed_mid_fold(redis: RedisProcess) -> None:
-    """A `gateway worker` killed -9 during folds: another one takes the folds over, nothing stored is lost."""
+    """A `gateway worker` killed -9 while it holds a fold job (delivered, not acknowledged): the next
+    worker claims it once it has been idle for claim_idle_ms and finishes it; nothing stored is lost."""
+    # Long turns make each fold take long enough to be caught under way.
+    filler = " ".join(f"Detail {k}: the billing service on port {9000 + k} keeps tier {k % 7}." for k in range(400))
     async with FakeUpstream(reply="Noted.") as fake:
         cfg = config(redis, fake)
         cfg["memory"]["worker"]["in_process"] = 0
-        async with gateway(cfg) as (url, log), aiohttp.ClientSession() as http:
+        async with gateway(cfg) as (url, log), aiohttp.ClientSession() as http, \
+                aioredis.from_url(redis.url) as r:
             tmp = log.parent
             worker = spawn([sys.executable, "-m", "gateway", "worker", "--config", str(tmp / "gw.yaml")],
                            tmp / "worker.log")
             clients = [Client(http, url, f"fold-kill-{i}") for i in range(4)]
-            for i in range(14):
-                if i == 9:
-                    os.kill(worker.pid, signal.SIGKILL)
-                    worker.wait(timeout=10)
-                    worker = spawn([sys.executable, "-m", "gateway", "worker", "--config", str(tmp / "gw.yaml")],
-                                   tmp / "worker.log")
-                await asyncio.gather(*(c.turn(f"{c.conv} turn {i}: the port is {8000 + i}") for c in clients))
+
+            killed = asyncio.Event()
+            turns = [0]
+
+            async def traffic(until: asyncio.Event | None = None, count: int = 4) -> None:
+                """`count` turns per client, or (with `until`) as many as it takes, up to 60."""
+                for _ in range(60 if until is not None else count):
+                    if until is not None and until.is_set():
+                        return
+                    i = turns[0]
+                    turns[0] += 1
+                    await asyncio.gather(*(c.turn(f"{c.conv} turn {i}: the port is {8000 + i}. {filler}")
+                                           for c in clients))
+
             try:
+                load = asyncio.create_task(traffic(until=killed))
+                while not await _held_fold_jobs(r):
+                    assert not load.done(), "no fold was ever caught under way"
+                    await asyncio.sleep(0.001)
+                os.kill(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=10)
+                held = await _held_fold_jobs(r)
+                killed.set()
+                await load
+                worker = spawn([sys.executable, "-m", "gateway", "worker", "--config", str(tmp / "gw.yaml")],
+                               tmp / "worker.log")
+                await traffic()
+                assert held >= 1  # the killed worker died holding a fold
                 for c in clients:
                     c.no_gateway_5xx()
                     assert await settled(c) == c.answered
                     deadline = time.monotonic() + 20
                     while True:  # the folds the killed worker held are claimed and finished
                         async with http.get(f"{url}/gateway/conversations/{c.conv}",
-                                            headers={"Authorization": f"Bearer {KEY}"}) as r:
-                            info = await r.json()
+                                            headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                            info = await resp.json()
                         if info["summary"] is not None and not info["fold_pending"]:
                             break
                         assert time.monotonic() < deadline, info
                         await asyncio.sleep(0.2)
+                deadline = time.monotonic() + 20
+                while await _held_fold_jobs(r):  # and acknowledged: none is left held by the dead one
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.2)
             finally:
                 worker.send_signal(signal.SIGTERM)
                 worker.wait(timeout=30)
