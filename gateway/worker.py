@@ -341,7 +341,13 @@ class FoldWorker:
                 for beat in beats:
                     beat.cancel()
                 if beats:  # waited, not awaited: a cancel of this worker itself still propagates
-                    await asyncio.wait(beats)
+                    try:
+                        await asyncio.wait(beats)
+                    except asyncio.CancelledError:
+                        # After the beats have ended (at their next check): one still beating after
+                        # the unlock would claim the job back from a hand-back at shutdown.
+                        await asyncio.wait(beats)
+                        raise
             finally:
                 # Shielded: a cancelled worker still frees the conversation for the next one.
                 with contextlib.suppress(Exception):

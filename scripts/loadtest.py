@@ -89,7 +89,8 @@ def queue_tracer() -> aiohttp.TraceConfig:
         ctx.queued_at = time.perf_counter()
 
     async def end(session: Any, ctx: Any, params: Any) -> None:
-        ctx.trace_request_ctx["queued"] += time.perf_counter() - ctx.queued_at
+        if ctx.trace_request_ctx is not None:  # a request that asked to be timed
+            ctx.trace_request_ctx["queued"] += time.perf_counter() - ctx.queued_at
 
     tracer.on_connection_queued_start.append(start)
     tracer.on_connection_queued_end.append(end)

@@ -246,8 +246,8 @@ async def _held_fold_jobs(r: Any) -> int:
 async def test_worker_killed_mid_fold(redis: RedisProcess) -> None:
     """A `gateway worker` killed -9 while it holds a fold job (delivered, not acknowledged): the next
     worker claims it once it has been idle for claim_idle_ms and finishes it; nothing stored is lost."""
-    # Long turns make each fold take long enough to be caught under way.
-    filler = " ".join(f"Detail {k}: the billing service on port {9000 + k} keeps tier {k % 7}." for k in range(400))
+    # Long turns: folds of them take long enough that one is usually caught under way.
+    filler = " ".join(f"Detail {k}: the billing service on port {9000 + k} keeps tier {k % 7}." for k in range(150))
     async with FakeUpstream(reply="Noted.") as fake:
         cfg = config(redis, fake)
         cfg["memory"]["worker"]["in_process"] = 0
@@ -262,8 +262,8 @@ async def test_worker_killed_mid_fold(redis: RedisProcess) -> None:
             turns = [0]
 
             async def traffic(until: asyncio.Event | None = None, count: int = 4) -> None:
-                """`count` turns per client, or (with `until`) as many as it takes, up to 60."""
-                for _ in range(60 if until is not None else count):
+                """`count` turns per client, or (with `until`) turns until it is set."""
+                while until is not None or turns[0] < count:
                     if until is not None and until.is_set():
                         return
                     i = turns[0]
@@ -271,20 +271,27 @@ async def test_worker_killed_mid_fold(redis: RedisProcess) -> None:
                     await asyncio.gather(*(c.turn(f"{c.conv} turn {i}: the port is {8000 + i}. {filler}")
                                            for c in clients))
 
+            load = asyncio.create_task(traffic(until=killed))
             try:
-                load = asyncio.create_task(traffic(until=killed))
-                while not await _held_fold_jobs(r):
-                    assert not load.done(), "no fold was ever caught under way"
-                    await asyncio.sleep(0.001)
+                held, deadline = 0, time.monotonic() + 120
+                while not held:  # stop the worker while it holds a job, check it still does, kill it
+                    while not await _held_fold_jobs(r):
+                        if load.done():
+                            load.result()
+                        assert time.monotonic() < deadline, "no fold was ever caught under way"
+                        await asyncio.sleep(0.001)
+                    os.kill(worker.pid, signal.SIGSTOP)
+                    held = await _held_fold_jobs(r)
+                    if not held:
+                        os.kill(worker.pid, signal.SIGCONT)
                 os.kill(worker.pid, signal.SIGKILL)
                 worker.wait(timeout=10)
-                held = await _held_fold_jobs(r)
                 killed.set()
                 await load
+                count = turns[0] + 4
                 worker = spawn([sys.executable, "-m", "gateway", "worker", "--config", str(tmp / "gw.yaml")],
                                tmp / "worker.log")
-                await traffic()
-                assert held >= 1  # the killed worker died holding a fold
+                await traffic(count=count)
                 for c in clients:
                     c.no_gateway_5xx()
                     assert await settled(c) == c.answered
@@ -302,5 +309,10 @@ async def test_worker_killed_mid_fold(redis: RedisProcess) -> None:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.2)
             finally:
+                load.cancel()
                 worker.send_signal(signal.SIGTERM)
-                worker.wait(timeout=30)
+                try:
+                    worker.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+                    raise

@@ -157,14 +157,19 @@ def test_a_cache_full_of_hot_conversations_does_not_walk_each_new_body(monkeypat
     assert walks[0] == 1  # the one kept; none of the nine that do not fit (each walked before)
 
 
-@pytest.mark.parametrize("content", [
-    pytest.param([{"type": "text", "text": "p.1"}] * 40, id="many-small-parts"),
-    pytest.param("word " * 60, id="prose"),
-    pytest.param('def f(x):\n    return {"a": [x, "{b}"], \'c\': [{"d": 1}]}\n' * 20, id="quoted-code"),
-    pytest.param("naïve café 東京 " * 30, id="non-ascii"),
+_PARTS = [{"type": "text", "text": "p.1"}] * 40
+_PROSE = "word " * 60
+
+
+@pytest.mark.parametrize("contents", [
+    pytest.param([_PARTS] * 200, id="many-small-parts"),
+    pytest.param([_PROSE] * 200, id="prose"),
+    pytest.param(['def f(x):\n    return {"a": [x, "{b}"], \'c\': [{"d": 1}]}\n' * 20] * 200, id="quoted-code"),
+    pytest.param(["naïve café 東京 " * 30] * 200, id="non-ascii"),
+    pytest.param([_PROSE] * 100 + [_PARTS] * 20 + [_PROSE] * 100, id="mixed"),
 ])
-def test_the_room_check_estimates_what_a_body_holds(content: Any) -> None:
-    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content} for _ in range(200)]})
+def test_the_room_check_estimates_what_a_body_holds(contents: list[Any]) -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": c} for c in contents]})
     parser = ResendParser(min_bytes=0)
     parser.loads("c", body, "messages")
     assert 0.75 * parser._bytes <= estimate_held(body) <= 1.3 * parser._bytes
