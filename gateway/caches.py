@@ -131,10 +131,10 @@ class RecentWrites:
 class ConversationCaches:
     """The per-conversation caches of one process (see the module's table)."""
 
-    def __init__(self, size: int = 256, *, live: bool, recall: RecallCache | None = None) -> None:
+    def __init__(self, size: int = 256, *, live: bool, recall: RecallCache) -> None:
         self.size = size
         self.views = KnownViews(size, live=live)
-        self.recall = recall or RecallCache()
+        self.recall = recall  # sized by memory.retrieval.index_cache_mb (Memory builds it)
         self.forwarded: OrderedDict[Conv, Forwarded] = OrderedDict()
         self.originals: OrderedDict[Conv, Forwarded] = OrderedDict()
         self.held: OrderedDict[Conv, Held] = OrderedDict()

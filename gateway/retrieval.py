@@ -631,7 +631,7 @@ class RetrievalIndex:
                     sess.append(s << 32 | (packed & 255))
             packed_tf = sess.tobytes()
             self._sess_tf[term] = (len(view), packed_tf)
-            self.side_bytes += len(packed_tf) - (len(kept) if kept is not None else -SESS_TF_BYTES)
+            self.side_bytes += len(packed_tf) + (SESS_TF_BYTES if kept is None else -len(kept))
         return sess
 
     def _add_time_prior(self, spans: list[_Span], scores: dict[int, float], n: int, top: float) -> None:

@@ -337,9 +337,9 @@ class FoldWorker:
             return await self._fold_locked(ref, urgent=urgent)
         finally:
             timer.cancel()
+            for beat in beats:
+                beat.cancel()
             try:
-                for beat in beats:
-                    beat.cancel()
                 if beats:  # waited, not awaited: a cancel of this worker itself still propagates
                     try:
                         await asyncio.wait(beats)

@@ -28,6 +28,7 @@ import pytest
 import yaml
 from redis import asyncio as aioredis
 
+from gateway.keys import Keys
 from gateway.testing import FakeUpstream
 from tests.conftest import RedisProcess, free_port
 
@@ -238,7 +239,7 @@ async def test_summarizer_failing_never_fails_a_request(redis: RedisProcess) -> 
 async def _held_fold_jobs(r: Any) -> int:
     """Fold jobs delivered to a worker and not yet acknowledged (a fold under way)."""
     try:
-        return int((await r.xpending("gw:folds", "fold-workers"))["pending"])
+        return int((await r.xpending(Keys().fold_stream(), Keys.FOLD_GROUP))["pending"])
     except aioredis.ResponseError:  # no job queued yet: no group
         return 0
 
