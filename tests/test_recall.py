@@ -254,8 +254,6 @@ async def test_what_searches_keep_in_an_index_counts_against_the_bound() -> None
 async def test_an_index_being_brought_up_to_date_is_not_evicted_under_it() -> None:
     """A catch-up yields to the event loop between slices; another conversation growing the cache
     past its bound meanwhile must not evict the index that request is about to search."""
-    import asyncio
-
     def texts(label: str) -> list[str]:
         return [f"{label} " + " ".join(f"w{(i * 7 + j) % 997}" for j in range(120)) for i in range(300)]
 
