@@ -104,7 +104,6 @@ async def test_cold_catch_up_gives_the_event_loop_back() -> None:
 
 async def test_concurrent_catch_ups_index_each_message_once() -> None:
     """Two requests that find the same cold index index its messages once, in order."""
-    import asyncio
 
     texts = _many(300)
     cache = RecallCache()
@@ -122,7 +121,6 @@ async def test_concurrent_catch_ups_index_each_message_once() -> None:
 
 async def test_branch_during_a_catch_up_leaves_a_consistent_index() -> None:
     """A branch that cuts the index back while a catch-up yields stops it; positions never shift."""
-    import asyncio
 
     texts = _many(400)
     cache = RecallCache()
