@@ -468,7 +468,10 @@ def _layers(inputs: Inputs) -> _Layers:
     # and saves, up to twice the excerpt budget, then all go at once.
     held = sum(p.tokens for p in kept)
     room = min(context_budget, ceiling) if ceiling is not None else context_budget
-    if kept and (held > 2 * target or size(lay) + held + max(budget, 0) > room):
+    # A cold cache bills every pin as a fresh write: nothing is saved by keeping them, and the
+    # question's own search quotes again whichever of them it still needs.
+    if kept and (held > 2 * target or size(lay) + held + max(budget, 0) > room
+                 or (inputs.last is not None and not cost.warm(inputs.last, inputs.now, inputs.prices))):
         kept, held = (), 0
     pinned_at = {pos: tokens for p in kept for pos, tokens in p.quoted}
 

@@ -385,7 +385,7 @@ def test_fill_expands_each_field_once() -> None:
 
 
 def _outcome(ts: list[Message], cov: int, picks: list[int], last: cost.Forwarded | None,
-             summary: str = "the story so far") -> rewrite.Outcome:
+             summary: str = "the story so far", now: float = 0.0) -> rewrite.Outcome:
     """Production's two steps for `ts` with a summary over [0, cov), `picks` recalled, after `last`."""
     settings = MemorySettings.model_validate(
         {"message_threshold": 4, "keep_recent": 2, "policy": "threshold", "retrieval_max_share": 1.0,
@@ -394,7 +394,7 @@ def _outcome(ts: list[Message], cov: int, picks: list[int], last: cost.Forwarded
                       total_tokens=sum(t.tokens for t in ts),
                       summary=Summary(text=summary, covers=cov, version=1, tokens=count(summary)))
     draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
-                                settings=settings, context_budget=100_000, count=count, last=last))
+                                settings=settings, context_budget=100_000, count=count, last=last, now=now))
     assert draft.wants is not None
     return draft.finish([(p, ts[p]) for p in picks])
 
@@ -427,6 +427,21 @@ def test_an_excerpt_stays_in_place_byte_for_byte_until_the_layers_change() -> No
     folded = _outcome(ts2, 18, [5, 7, 3], second.forwarded, summary="a newer story")
     assert folded.plan.pinned == []
     assert all(f"[message {p}," in folded.plan.excerpts_block for p in (3, 5, 7))
+
+
+def test_pins_go_when_the_cache_has_gone_cold() -> None:
+    """Once the provider's cache has expired every pinned block would be written again at full price:
+    the request quotes afresh what its question recalls instead of carrying the old blocks."""
+    ts = turns(oa, [*chat(12), {"role": "user", "content": "question 12"}])
+    first = _outcome(ts, 16, [3, 5], None, now=1000.0)
+    assert first.forwarded is not None and first.forwarded.pins is not None
+    ts2 = ts + turns(oa, [{"role": "assistant", "content": "answer 12"}, {"role": "user", "content": "question 13"}])
+    warm = _outcome(ts2, 16, [7], first.forwarded, now=1000.0 + 60)
+    assert len(warm.plan.pinned) == 1 and "[message 7," in warm.plan.excerpts_block
+    cold = _outcome(ts2, 16, [7], first.forwarded, now=1000.0 + cost.DEFAULT_PRICES.ttl + 1)
+    assert cold.plan.pinned == []
+    assert "[message 7," in cold.plan.excerpts_block and "[message 3," not in cold.plan.excerpts_block
+    assert cold.plan.tokens_forwarded < warm.plan.tokens_forwarded
 
 
 def test_pinned_excerpts_render_before_their_message_in_every_dialect() -> None:
