@@ -192,6 +192,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt-cache lifetime (s) for cost_ratio_timed (default: the model's cache_ttl_seconds)")
     e.add_argument("--data-clock", action="store_true",
                    help="the gateway's cost model sees the data's message times (caches cold across pauses)")
+    e.add_argument("--one-replay", action="store_true",
+                   help="bill the timed regime on the same replay (faster; the gateway then believes every "
+                        "cache warm) instead of a second one on the data's clock")
     e.set_defaults(run=_command(evaluation))
 
     st = sub.add_parser("stats", help="the savings table of a running gateway")

@@ -315,7 +315,7 @@ def _progress(done: int, total: int, label: str) -> None:
 
 async def run_eval(settings: Settings, conversations: list[dict[str, Any]], *, settle: bool,
                    ttl: float | None = None, model: str = DEFAULT_MODEL, dump: Path | None = None,
-                   progress: bool = True, data_clock: bool = False) -> dict[str, Any]:
+                   progress: bool = True, data_clock: bool = False, timed_pass: bool = True) -> dict[str, Any]:
     if ttl is None:
         ttl = settings.price(model).cache_ttl_seconds
     counter = TokenCounter(settings.models)
@@ -336,34 +336,54 @@ async def run_eval(settings: Settings, conversations: list[dict[str, Any]], *, s
     data["upstreams"]["openai"] |= {"base_url": f"http://127.0.0.1:{rec_port}/v1", "api_key": None}
     data["auth"] = {"keys": [], "admin_token": None}
     settings = Settings.model_validate(data)
-    app = create_app(settings)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    # The timed regime's bill comes from a gateway living on the data's clock, as a live one does: it
+    # sees a pause leave the cache cold and decides for that. Replayed at its own pace the gateway
+    # believes every cache warm, which is the warm regime's world, not this one's.
+    timed_apart = (timed_pass and not data_clock
+                   and any(m.get("time") for c in conversations for m in c["messages"]))
 
-    replay = Replay(app, recorder, f"http://127.0.0.1:{port}/v1/chat/completions", settings, count,
-                    settle=settle, ttl=ttl, model=model, dump=dump, progress=progress, data_clock=data_clock)
-    replay.total = sum(1 for c in conversations for m in c["messages"] if m["role"] == "user")
-    replay.total += sum(len(c.get("probes") or []) for c in conversations)
+    async def replay_once(on_data_clock: bool, prefix: str, bill_only: bool) -> Replay:
+        app = create_app(settings)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        replay = Replay(app, recorder, f"http://127.0.0.1:{port}/v1/chat/completions", settings, count,
+                        settle=settle, ttl=ttl, model=model, dump=None if bill_only else dump, progress=progress,
+                        data_clock=on_data_clock, prefix=prefix, bill_only=bill_only)
+        replay.total = sum(1 for c in conversations for m in c["messages"] if m["role"] == "user")
+        replay.total += sum(len(c.get("probes") or []) for c in conversations)
+        try:
+            async with ClientSession(timeout=ClientTimeout(total=600)) as http:
+                replay.http = http
+                for conv in conversations:
+                    await replay.conversation(conv)
+        finally:
+            if progress:
+                sys.stderr.write("\n")
+            await runner.cleanup()
+        return replay
+
     try:
-        async with ClientSession(timeout=ClientTimeout(total=600)) as http:
-            replay.http = http
-            for conv in conversations:
-                await replay.conversation(conv)
+        replay = await replay_once(data_clock, "eval-", False)
+        timed = await replay_once(True, "eval-timed-", True) if timed_apart else None
     finally:
-        if progress:
-            sys.stderr.write("\n")
-        await runner.cleanup()
         await rec_runner.cleanup()
 
     full = replay.scores["full"]
     strategies = {name: s.summary(full.billed, full.billed_timed) for name, s in replay.scores.items()}
-    strategies["gateway"]["reasons"] = dict(replay.reasons.most_common())
+    gateway = strategies["gateway"]
+    gateway["reasons"] = dict(replay.reasons.most_common())
+    if timed is not None:
+        t_full, t_gw = timed.scores["full"], timed.scores["gateway"]
+        gateway["cost_ratio_timed_replay_clock"] = gateway["cost_ratio_timed"]
+        gateway["cost_ratio_timed"] = t_gw.billed_timed / t_full.billed_timed if t_full.billed_timed else 0.0
+        gateway["conversations_over_full_timed"] = t_gw.over_full_timed
+        gateway["reasons_data_clock"] = dict(timed.reasons.most_common())
     return {"strategies": strategies,
             "conversations": len(conversations), "settled": settle, "model": model, "ttl": ttl,
-            "data_clock": data_clock}
+            "data_clock": data_clock, "timed_on_data_clock": data_clock or timed is not None}
 
 
 class Replay:
@@ -371,12 +391,14 @@ class Replay:
 
     def __init__(self, app: web.Application, recorder: Recorder, url: str, settings: Settings,
                  count: Callable[[str], int], *, settle: bool, ttl: float, model: str, dump: Path | None,
-                 progress: bool, data_clock: bool = False) -> None:
+                 progress: bool, data_clock: bool = False, prefix: str = "eval-", bill_only: bool = False) -> None:
         self.app, self.recorder, self.url, self.count = app, recorder, url, count
+        # bill_only: a replay kept for the gateway's bill alone (the timed regime's), scored on nothing else.
+        self.prefix, self.bill_only = prefix, bill_only
         self.settle, self.ttl, self.model, self.dump, self.progress = settle, ttl, model, dump, progress
         self.cap = settings.memory.max_summary_tokens
         self.price = settings.price(model)
-        self.scores = {name: StrategyScore() for name in ("gateway", *BASELINES)}
+        self.scores = {name: StrategyScore() for name in ("gateway", *(("full",) if bill_only else BASELINES))}
         self.http: ClientSession | None = None
         # data_clock: the gateway's cost model sees the data's own message times, as it would have
         # live (a cache goes cold across a pause between sessions), which is the `timed` regime's
@@ -417,7 +439,7 @@ class Replay:
             await embedder.drain()  # messages already stored have their vectors, as between a user's turns
 
     async def conversation(self, conv: dict[str, Any]) -> None:
-        cid, msgs, system = f"eval-{conv['id']}", conv["messages"], conv.get("system")
+        cid, msgs, system = f"{self.prefix}{conv['id']}", conv["messages"], conv.get("system")
         billers = {name: Biller(self.count, self.price.cache_read, self.price.cache_write, self.ttl)
                    for name in self.scores}
         probes_at: dict[int, list[tuple[int, dict[str, Any]]]] = {}
@@ -443,11 +465,12 @@ class Replay:
             items = request_items(forwarded)
             billers["gateway"].add(items, when)
             self.scores["gateway"].latencies.append(latency)
-            per_strategy = {name: baseline_items(name, system, history, question, summarize) for name in BASELINES}
+            per_strategy = {name: baseline_items(name, system, history, question, summarize)
+                            for name in self.scores if name != "gateway"}
             for name, b_items in per_strategy.items():
                 billers[name].add(b_items, when)
             self.done += 1
-            if probe is None:
+            if probe is None or self.bill_only:
                 if self.progress and self.done % 10 == 0:
                     _progress(self.done, self.total, conv["id"])
                 return
@@ -577,12 +600,14 @@ def main(args: argparse.Namespace | Iterable[str] | None = None) -> int:
     ttl = getattr(args, "ttl", None)
     ttl = settings.price(model).cache_ttl_seconds if ttl is None else ttl
     result = asyncio.run(run_eval(settings, conversations, settle=args.settle, ttl=ttl, model=model, dump=dump,
-                                  data_clock=bool(getattr(args, "data_clock", False))))
+                                  data_clock=bool(getattr(args, "data_clock", False)),
+                                  timed_pass=not getattr(args, "one_replay", False)))
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(format_table(result))
     print(f"\n{len(conversations)} conversations in {result['seconds']} s, model {model}"
           f"{' (folds settled before each probe)' if args.settle else ''}"
-          f"{'; the gateway saw the data clock' if result['data_clock'] else ''}")
+          f"{'; the gateway saw the data clock' if result['data_clock'] else ''}"
+          f"{'; timed: a second replay, the gateway on the data clock' if result['timed_on_data_clock'] and not result['data_clock'] else ''}")
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return 0
@@ -603,5 +628,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-clock", action="store_true",
                         help="the gateway's cost model sees the data's message times (caches go cold across "
                         "pauses, as live) instead of the replay's pace (always warm)")
+    parser.add_argument("--one-replay", action="store_true",
+                        help="bill the timed regime on the same replay (faster; the gateway then believes every "
+                        "cache warm) instead of a second one on the data's clock")
     parser.add_argument("--ttl", type=float, default=None,
                         help="prompt-cache lifetime for cost_ratio_timed (default: the model's cache_ttl_seconds)")

@@ -79,9 +79,10 @@ def test_check_config_reads_gateway_config_env(tmp_path: Path, monkeypatch: pyte
 
 @pytest.mark.parametrize(("argv", "module", "attrs"), [
     (["worker", "--config", "w.yaml"], "gateway.worker", {"config": "w.yaml"}),
-    (["eval", "data.jsonl", "--summarizer", "llm", "--settle", "--json", "o.json", "--limit", "3", "--data-clock"],
+    (["eval", "data.jsonl", "--summarizer", "llm", "--settle", "--json", "o.json", "--limit", "3", "--data-clock",
+      "--one-replay"],
      "gateway.eval", {"dataset": "data.jsonl", "summarizer": "llm", "settle": True, "json": "o.json", "limit": 3,
-                      "data_clock": True, "ttl": None}),
+                      "data_clock": True, "one_replay": True, "ttl": None}),
     (["demo", "--turns", "12", "--serve", "--port", "9000"], "gateway.demo",
      {"turns": 12, "serve": True, "port": 9000}),
     (["stats", "--url", "http://h:1", "--key", "k"], "gateway.savings", {"url": "http://h:1", "key": "k"}),

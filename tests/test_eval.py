@@ -260,3 +260,21 @@ async def test_data_clock_lets_the_cost_model_see_the_pause_between_sessions() -
     live = await run_eval(s, [two_sessions()], settle=True, progress=False, data_clock=True)
     assert paced["strategies"]["gateway"]["tokens_ratio"] == pytest.approx(1.0)
     assert live["strategies"]["gateway"]["tokens_ratio"] < 0.5
+
+
+async def test_the_timed_bill_is_that_of_a_gateway_on_the_data_clock() -> None:
+    """The timed regime lets caches expire between the data's times, so its bill comes from a second
+    replay whose gateway sees those times, as a live one would; recall is scored on the first."""
+    s = Settings.model_validate({"memory": {"policy": "cost"}})
+    one = await run_eval(s, [two_sessions()], settle=True, progress=False, timed_pass=False)
+    both = await run_eval(s, [two_sessions()], settle=True, progress=False)
+    live = await run_eval(s, [two_sessions()], settle=True, progress=False, data_clock=True)
+    gw, gw_one, gw_live = (r["strategies"]["gateway"] for r in (both, one, live))
+    assert both["timed_on_data_clock"] and not one["timed_on_data_clock"]
+    assert gw["cost_ratio_timed"] == pytest.approx(gw_live["cost_ratio_timed"], rel=0.02)
+    assert gw["cost_ratio_timed"] < gw_one["cost_ratio_timed"]
+    assert gw["cost_ratio_timed_replay_clock"] == pytest.approx(gw_one["cost_ratio_timed"], rel=0.02)
+    # Everything else is the first replay's, on the replay's pace.
+    assert gw["tokens_ratio"] == pytest.approx(gw_one["tokens_ratio"])
+    assert gw["cost_ratio_warm"] == pytest.approx(gw_one["cost_ratio_warm"])
+    assert set(both["strategies"]) == set(one["strategies"])
