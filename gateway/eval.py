@@ -603,11 +603,12 @@ def main(args: argparse.Namespace | Iterable[str] | None = None) -> int:
                                   data_clock=bool(getattr(args, "data_clock", False)),
                                   timed_pass=not getattr(args, "one_replay", False)))
     result["seconds"] = round(time.perf_counter() - started, 1)
+    second_replay = result["timed_on_data_clock"] and not result["data_clock"]
     print(format_table(result))
     print(f"\n{len(conversations)} conversations in {result['seconds']} s, model {model}"
           f"{' (folds settled before each probe)' if args.settle else ''}"
           f"{'; the gateway saw the data clock' if result['data_clock'] else ''}"
-          f"{'; timed: a second replay, the gateway on the data clock' if result['timed_on_data_clock'] and not result['data_clock'] else ''}")
+          f"{'; timed: a second replay, the gateway on the data clock' if second_replay else ''}")
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return 0
