@@ -152,7 +152,7 @@ class RetrievalSettings(_Strict):
     enabled: bool = True
     # No new excerpts when a message of the recent window matches the question at least this many times
     # as well as the best earlier one (raw BM25): it asks about what the window holds. 0: always recall.
-    reach_back: float = Field(1.5, ge=0)
+    reach_back: float = Field(1.0, ge=0)
     # Excerpts scoring under this share of the best one are left out even when the budget has room
     # (smaller requests; questions that need many weakly matching messages lose some). 0: fill the budget.
     min_relevance: float = Field(0.0, ge=0, le=1)
