@@ -471,7 +471,7 @@ def _layers(inputs: Inputs) -> _Layers:
     # A cold cache bills every pin as a fresh write: nothing is saved by keeping them, and the
     # question's own search quotes again whichever of them it still needs.
     if kept and (held > 2 * target or size(lay) + held + max(budget, 0) > room
-                 or (inputs.last is not None and not cost.warm(inputs.last, inputs.now, inputs.prices))):
+                 or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
     pinned_at = {pos: tokens for p in kept for pos, tokens in p.quoted}
 
