@@ -342,6 +342,9 @@ async def run_eval(settings: Settings, conversations: list[dict[str, Any]], *, s
     timed_apart = (timed_pass and not data_clock
                    and any(m.get("time") for c in conversations for m in c["messages"]))
 
+    total = sum(1 for c in conversations for m in c["messages"] if m["role"] == "user")
+    total += sum(len(c.get("probes") or []) for c in conversations)
+
     async def replay_once(on_data_clock: bool, prefix: str, bill_only: bool) -> Replay:
         app = create_app(settings)
         runner = web.AppRunner(app)
@@ -352,8 +355,7 @@ async def run_eval(settings: Settings, conversations: list[dict[str, Any]], *, s
         replay = Replay(app, recorder, f"http://127.0.0.1:{port}/v1/chat/completions", settings, count,
                         settle=settle, ttl=ttl, model=model, dump=None if bill_only else dump, progress=progress,
                         data_clock=on_data_clock, prefix=prefix, bill_only=bill_only)
-        replay.total = sum(1 for c in conversations for m in c["messages"] if m["role"] == "user")
-        replay.total += sum(len(c.get("probes") or []) for c in conversations)
+        replay.total = total
         try:
             async with ClientSession(timeout=ClientTimeout(total=600)) as http:
                 replay.http = http
