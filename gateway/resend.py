@@ -54,10 +54,13 @@ _PROBE = 64  # bytes of the known items looked for first; the rest is then compa
 # and finding out costs a bounded amount.
 _MAX_CANDIDATES = 64
 _MAX_AROUND_BYTES = 256 << 10
-# A conversation is learned only if that evicts none used this recently: with more long
-# conversations than the bound holds, learning each one anew (~2x a whole parse) on every request
-# and evicting the next would cost more than parsing whole; a steady set is kept instead.
+# A conversation is learned only if that evicts none used this recently, or none used since the
+# new one's previous request (it is the busier): with more long conversations than the bound holds,
+# each requested in turn, learning each one anew (~2x a whole parse) on every request and evicting
+# the next would cost more than parsing whole; a steady set is kept instead. But once a burst of
+# conversations has passed, those that go on are learned at their second request, not 30 s later.
 HOT_SECONDS = 30.0
+SEEN_KEYS = 4096  # conversations whose last request (not learned) is remembered for that
 _SAMPLES, _SLICE_BYTES = 4, 4 << 10  # estimate_held reads 16 KB of a body, from 4 places
 # This interpreter's object headers (a str's is 49 bytes on 3.11, 41 on 3.12).
 _STR, _DICT, _LIST = sys.getsizeof(""), sys.getsizeof({"role": 0, "content": 0}), sys.getsizeof([])
@@ -121,6 +124,7 @@ class ResendParser:
         self.clock = clock
         self._known: OrderedDict[Hashable, _Known] = OrderedDict()
         self._bytes = 0
+        self._seen: OrderedDict[Hashable, float] = OrderedDict()  # key -> its last request's time
 
     def loads(self, key: Hashable | None, raw: bytes, field: str) -> Any:
         """What `orjson.loads(raw)` returns (or raises); `field` names the history array."""
@@ -132,7 +136,13 @@ class ResendParser:
             if body is not None:
                 return body
         body = orjson.loads(raw)
-        self._learn(key, raw, body, field)
+        now = self.clock()
+        previous = self._seen.pop(key, None)
+        self._learn(key, raw, body, field, previous)
+        if key not in self._known:
+            self._seen[key] = now
+            if len(self._seen) > SEEN_KEYS:
+                self._seen.popitem(last=False)
         return body
 
     def _resent(self, key: Hashable, known: _Known, raw: bytes, field: str) -> dict[str, Any] | None:
@@ -169,10 +179,11 @@ class ResendParser:
                 self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items, self.clock(), size))
         return body
 
-    def _learn(self, key: Hashable, raw: bytes, body: Any, field: str) -> None:
-        """Find the history's bounds in a body parsed whole, to parse only around it next time."""
+    def _learn(self, key: Hashable, raw: bytes, body: Any, field: str, previous: float | None = None) -> None:
+        """Find the history's bounds in a body parsed whole, to parse only around it next time.
+        `previous`: when the conversation's last request came (it was not learned then), if known."""
         self._forget(key)
-        if not isinstance(body, dict) or not self._room(estimate_held(raw)):
+        if not isinstance(body, dict) or not self._room(estimate_held(raw), previous):
             return
         items = body.get(field)
         if not isinstance(items, list) or not items:
@@ -185,15 +196,18 @@ class ResendParser:
         end = _items_end(raw, start, b"[", items, after=after)
         if end is not None:
             size = end - start + held(items)
-            if self._room(size):
+            if self._room(size, previous):
                 self._put(key, _Known(raw[start:end], tuple(items), self.clock(), size))
 
-    def _room(self, size: int) -> bool:
-        """Would `size` more bytes fit, evicting only conversations not used for HOT_SECONDS?"""
+    def _room(self, size: int, previous: float | None = None) -> bool:
+        """Would `size` more bytes fit, evicting only conversations not used for HOT_SECONDS, or not
+        since `previous` (the newcomer's last request)?"""
         free = self.max_bytes - self._bytes
         if free >= size:
             return True
         stale = self.clock() - HOT_SECONDS
+        if previous is not None:
+            stale = max(stale, previous)
         for known in self._known.values():  # least recently used first
             if known.used > stale:
                 return False

@@ -127,6 +127,28 @@ def test_memory_is_bounded_and_a_hot_set_is_not_thrashed() -> None:
     parser.loads(3, body, "messages")  # 1 has not been used for HOT_SECONDS: it makes room
     assert list(parser._known) == [0, 3]
 
+def test_after_a_burst_the_conversations_that_go_on_are_learned_at_their_second_request() -> None:
+    """A burst of conversations fills the bound and stops: those that go on (each requested again
+    since the burst's last use of the ones kept) are learned at their second request, not HOT_SECONDS
+    later, while a set of conversations requested in turn is still not thrashed (test above)."""
+    now = [0.0]
+    body = _body([_message(i, "x" * 100) for i in range(8)])
+    one = ResendParser(min_bytes=0)
+    one.loads(0, body, "messages")
+    parser = ResendParser(max_bytes=int(one._bytes * 2.5), min_bytes=0, clock=lambda: now[0])
+    for k in range(6):  # the burst: 0 and 1 kept
+        parser.loads(k, body, "messages")
+        now[0] += 0.1
+    assert list(parser._known) == [0, 1]
+    for _ in range(2):
+        for k in (7, 8):  # two new conversations go on, a request each in turn
+            assert parser.loads(k, body, "messages") == orjson.loads(body)
+            now[0] += 0.01
+    assert list(parser._known) == [7, 8]
+    parser.loads(7, body, "messages")
+    assert list(parser._known) == [8, 7]  # learned: its next body is parsed around what it holds
+
+
 def test_a_cache_full_of_hot_conversations_does_not_walk_each_new_body(monkeypatch: pytest.MonkeyPatch) -> None:
     """Learning a body walks all it parsed to (as long again as parsing it whole). With the room
     left by hot conversations short of what a body holds, but over twice its bytes, the parser
