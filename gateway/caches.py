@@ -42,6 +42,7 @@ from gateway.tokens import TokenCounter
 from gateway.views import KnownViews
 
 Conv = tuple[str, str]  # (tenant, conversation): the caches' key
+CONVERSATIONS = 256  # conversations each per-conversation cache holds (LRU)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class RecentWrites:
 class ConversationCaches:
     """The per-conversation caches of one process (see the module's table)."""
 
-    def __init__(self, size: int = 256, *, live: bool, recall: RecallCache) -> None:
+    def __init__(self, size: int = CONVERSATIONS, *, live: bool, recall: RecallCache) -> None:
         self.size = size
         self.views = KnownViews(size, live=live)
         self.recall = recall  # sized by memory.retrieval.index_cache_mb (Memory builds it)

@@ -228,7 +228,7 @@ class Memory:
         self.metrics = metrics
         # The embedded store has no other writer: what this process knows of it is always current.
         recall = recall or RecallCache(settings.memory.retrieval.index_cache_mb << 20)
-        self.caches = ConversationCaches(256, live=store.embedded, recall=recall)
+        self.caches = ConversationCaches(live=store.embedded, recall=recall)
         if settings.memory.retrieval.embeddings and self.caches.recall.embedder is None:
             self.caches.recall.embedder = Embedder()  # numpy and onnxruntime are imported at first use
         self.blocks = Blocks(settings.memory, tokens)

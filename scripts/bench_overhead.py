@@ -46,6 +46,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from gateway.caches import CONVERSATIONS
 from gateway.config import MemorySettings
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -415,6 +416,10 @@ async def main() -> None:
                     cells.append(Cell(turns, d_work, g_work, cpu=[0.0] * len(procs)))
                 # Conversations one block moves through, per slot (seed and warm-up requests included).
                 per_block = -(-per_round // max(1, args.per_conversation - 2)) + 2
+                if memory and per_block * conc * len(sizes) > CONVERSATIONS:
+                    print(f"  (warning: a block moves through {per_block * conc * len(sizes)} conversations, more than "
+                          f"the {CONVERSATIONS} the gateway's per-conversation caches hold: this measures their "
+                          "evictions; raise --per-conversation or --rounds)")
                 for _ in range(args.rounds):
                     for c in cells:
                         c.direct.add(await load(direct, c.d_work, per_round, conc))
