@@ -127,6 +127,7 @@ def test_memory_is_bounded_and_a_hot_set_is_not_thrashed() -> None:
     parser.loads(3, body, "messages")  # 1 has not been used for HOT_SECONDS: it makes room
     assert list(parser._known) == [0, 3]
 
+
 def test_after_a_burst_the_conversations_that_go_on_are_learned_at_their_second_request() -> None:
     """A burst of conversations fills the bound and stops: those that go on (each requested again
     since the burst's last use of the ones kept) are learned at their second request, not HOT_SECONDS
