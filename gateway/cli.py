@@ -180,21 +180,7 @@ def parser() -> argparse.ArgumentParser:
     w.set_defaults(run=_command(worker))
 
     e = sub.add_parser("eval", help="replay a data set through the gateway and report quality")
-    e.add_argument("dataset", metavar="DATASET", help="JSONL replay file")
-    e.add_argument("--config", help=config_help)
-    e.add_argument("--summarizer", choices=("extractive", "llm"))
-    e.add_argument("--settle", action="store_true", help="wait for folds to finish before each probe")
-    e.add_argument("--json", metavar="OUT", help="write the results as JSON")
-    e.add_argument("--limit", type=int, help="replay at most N conversations")
-    e.add_argument("--dump", metavar="DIR", help="write each probe's forwarded request under DIR")
-    e.add_argument("--model", metavar="M", help="model the replay asks for (default: a Claude model)")
-    e.add_argument("--ttl", type=float, default=None,
-                   help="prompt-cache lifetime (s) for cost_ratio_timed (default: the model's cache_ttl_seconds)")
-    e.add_argument("--data-clock", action="store_true",
-                   help="the gateway's cost model sees the data's message times (caches cold across pauses)")
-    e.add_argument("--one-replay", action="store_true",
-                   help="bill the timed regime on the same replay (faster; the gateway then believes every "
-                        "cache warm) instead of a second one on the data's clock")
+    evaluation.add_arguments(e)
     e.set_defaults(run=_command(evaluation))
 
     st = sub.add_parser("stats", help="the savings table of a running gateway")

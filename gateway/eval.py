@@ -617,8 +617,9 @@ def main(args: argparse.Namespace | Iterable[str] | None = None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dataset", help="replay file (JSONL)")
-    parser.add_argument("--config", default=None)
+    parser.add_argument("dataset", metavar="DATASET", help="replay file (JSONL)")
+    parser.add_argument("--config", default=None,
+                        help="YAML config file (default: $GATEWAY_CONFIG, else built-in defaults)")
     parser.add_argument("--summarizer", choices=("extractive", "llm"), default=None)
     parser.add_argument("--settle", action="store_true", help="wait for pending folds before each probe")
     parser.add_argument("--json", default=None, help="write the results as JSON here")
