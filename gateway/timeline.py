@@ -41,6 +41,9 @@ _TOKEN = re.compile(r"\S+")
 _STRIP = ".,;:!?()[]{}\"'`*"
 _DIGIT = re.compile(r"\d")
 _JOINED = re.compile(r"[A-Za-z0-9][_./:-][A-Za-z0-9]")
+# Digits and commas only: a number when the commas group thousands ("1,000"), else a list ("3,31").
+_NUMBER_LIST = re.compile(r"[\d,]+")
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+")
 _COMMON = frozenset((
     "I", "I'm", "I've", "I'd", "I'll", "Hi", "Hello", "Hey", "Thanks", "Thank", "Can", "Could", "Would", "Should",
     "What", "How", "Why", "When", "Where", "Which", "Who", "The", "This", "That", "These", "Those", "It", "It's",
@@ -138,7 +141,8 @@ def _terms(text: str) -> list[str]:
         for raw in _TOKEN.findall(sentence[:2000]):
             token = raw.strip(_STRIP)
             if 2 <= len(token) <= 40 and token not in _COMMON and (
-                    _DIGIT.search(token) or _JOINED.search(token) or (not first and token[0].isupper())):
+                    _DIGIT.search(token) or _JOINED.search(token) or (not first and token[0].isupper())) and not (
+                    "," in token and _NUMBER_LIST.fullmatch(token) and not _THOUSANDS.fullmatch(token)):
                 out.append(token)
             first = raw.endswith((".", "!", "?"))
     return out

@@ -80,3 +80,9 @@ async def test_older_lines_are_merged_never_dropped() -> None:
     assert lines[0].start.startswith("2024-03-02")
     assert lines[-1].render() == whole[-1].render()
     assert re.search(r"2024-03-02 10:00 to 2024-03-\d\d", text)
+
+
+def test_a_list_of_numbers_is_not_a_topic_but_a_number_is() -> None:
+    """"3,31" (a reference, a list) says nothing of what a session was about; "1,000" and "7.2" do."""
+    terms = timeline._terms("We moved 1,000 users to Redis 7.2 in batch 3,31 and 4,3 on port 3000.")
+    assert terms == ["1,000", "Redis", "7.2", "3000"]
