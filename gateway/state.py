@@ -27,7 +27,9 @@ KINDS: tuple[Kind, ...] = ("goal", "architecture", "tech_stack", "decisions", "c
                            "open_tasks", "facts")
 # Rendering order: what a model most needs to stay on track comes first, so a tight budget cuts
 # the least important kinds.
-RENDER_ORDER: tuple[Kind, ...] = ("goal", "constraints", "decisions", "tech_stack", "architecture",
+# The stack comes before decisions: its components are one short line, and code that fits the
+# project needs them.
+RENDER_ORDER: tuple[Kind, ...] = ("goal", "constraints", "tech_stack", "decisions", "architecture",
                                   "preferences", "open_tasks", "facts")
 TITLES: dict[Kind, str] = {
     "goal": "Goal", "architecture": "Architecture", "tech_stack": "Tech stack", "decisions": "Decisions",
@@ -233,9 +235,10 @@ def _prune(ledger: Ledger) -> None:
     if total <= MAX_ITEMS:
         return
     # Oldest superseded first (edited or not: an edit replaced is history), then oldest extracted;
-    # what an edit set and nothing replaced since is kept.
-    order = sorted(((item.superseded_by is None, item.edited, int(item.id[1:]), kind, item)
-                    for kind, item in ledger.all_items()), key=lambda t: t[:3])
+    # what an edit set and nothing replaced since is kept. A component ("Express v4.18.2") goes after
+    # the other extracted items: the stack a project started on is still its stack.
+    order = sorted(((item.superseded_by is None, item.edited, is_component(kind, item), int(item.id[1:]), item)
+                    for kind, item in ledger.all_items()), key=lambda t: t[:4])
     drop = {id(t[4]) for t in order[: total - MAX_ITEMS] if not (t[0] and t[1])}
     for kind in KINDS:
         setattr(ledger, kind, [i for i in ledger.items(kind) if id(i) not in drop])
@@ -366,6 +369,32 @@ _DIGIT_OR_SLASH = re.compile(r"[\d/]")
 _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"
                       r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b", caseless=True,
                       needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
+# A named component at a version ("Node.js v18.15.0", "React Hook Form version 7.43.9", "pandas 2.0.3"):
+# the tech stack with its versions, from whatever sentence the user says it in. A capitalised name
+# may run to three words; a lower-case one needs a "v" or a full x.y.z (prose says "about 2.5
+# seconds"). Linear: a name starts only where its word does, the version is taken whole
+# (possessive) and may not run on into a longer token ("3.11rc1").
+_CAPITALISED = r"[A-Z][\w+#-]*(?:\.[A-Za-z]+)?"
+_COMPONENT = re.compile(
+    rf"(?<![\w.@/#+-])(?:(?P<name>{_CAPITALISED}(?:[ \t]+{_CAPITALISED}){{0,2}})\s+(?P<version>v?\d++(?:\.\d++)++)"
+    r"|(?P<lname>[a-z][\w-]*(?:\.js)?)\s+(?P<lversion>v\d++(?:\.\d++)++|\d++\.\d++(?:\.\d++)++))"
+    r"(?![\w-]|\.\w)")
+_COMPONENT_VERSION_WORD = re.compile(r"\b(version|ver\.?)\s+(?=v?\d)", _I)
+_IPV4 = re.compile(r"v?\d{1,3}(?:\.\d{1,3}){3}")
+# Words a name does not start with, nor is: "Using Redis 7.0" names Redis; "to 2.0.1" names nothing.
+_NOT_COMPONENTS = frozenset((
+    "a", "an", "the", "to", "from", "of", "and", "or", "is", "was", "are", "be", "at", "on", "in", "by", "for",
+    "with", "via", "into", "as", "using", "use", "uses", "used", "run", "runs", "running", "install", "installed",
+    "upgrade", "upgraded", "upgrading", "downgrade", "downgraded", "pinned", "latest", "new", "old", "current",
+    "currently", "now", "still", "my", "our", "your", "this", "that", "these", "we", "i", "it", "about", "approx",
+    "approximately", "around", "roughly", "nearly", "over", "under", "than", "version", "release", "step",
+    "phase", "sprint", "chapter", "section", "figure", "table", "scale", "score", "ratio", "rate", "factor",
+    "value", "page", "item", "point", "level", "tier", "milestone", "week", "day", "v", "x", "library", "package",
+    "module", "plugin", "adapter", "driver", "client", "server", "tool", "framework", "image", "api",
+))
+MAX_STACK = 48  # active components a ledger keeps (the oldest go first), ahead of other extracted items
+MAX_COMPONENTS = 16  # per message: what one message names beyond that is a list, not a stack
+
 _SUPERSEDE = re.compile(r"\binstead\s+of\s+([\w.+#-]+)|\bswitch(?:ed|ing)?\s+from\s+([\w.+#-]+)\s+to\b"
                         r"|\b(?:upgrad|migrat|mov)(?:e|ed|es|ing)\s+(?:[\w ]{1,40}?\s)?from\s+([\w.+#-]+)\s+to\b"
                         r"|\bno\s+longer\s+(?:use|using|need)\s+([\w.+#-]+)|\breplac(?:e|ed|ing)\s+([\w.+#-]+)\s+with\b"
@@ -392,11 +421,23 @@ def sentences(text: str) -> tuple[str, ...]:
     return _split_sentences(text) if len(text) > 16_384 else _remembered_sentences(text)
 
 
+def _untagged(sentence: str) -> str:
+    """`sentence` without a trailing reference tag ("... for the cache. ->-> 9,30"): numbers after a
+    run of arrows point into some other record; they state nothing."""
+    at = sentence.rfind("->")
+    if at < 0 or sentence[at + 2:].strip(" \t,0123456789") != "" or not any(c.isdigit() for c in sentence[at:]):
+        return sentence
+    end = at
+    while at >= 2 and sentence[at - 2: at] == "->":
+        at -= 2
+    return sentence[:at].rstrip() if at < end else sentence  # "a -> 5" is prose; "->-> 5" is a tag
+
+
 def _split_sentences(text: str) -> tuple[str, ...]:
     text = _CODE.sub("\n", text[:MAX_MESSAGE_CHARS])
     out = []
     for s in _SENTENCE.split(text):
-        s = s[:MAX_SENTENCE_CHARS].strip(" \t-*#>")
+        s = _untagged(s[:MAX_SENTENCE_CHARS]).strip(" \t-*#>")
         if len(s) >= 3:
             out.append(s)
             if len(out) == MAX_SENTENCES:
@@ -464,7 +505,7 @@ def classify(sentence: str, role: str) -> Kind | None:
         return "preferences"
     if (user and _TASK.search(sentence, low)) or _TODO.search(sentence):
         return "open_tasks"
-    if _STACK.search(sentence, low) and _TECH.search(sentence, low):
+    if user and _STACK.search(sentence, low) and _TECH.search(sentence, low):
         return "tech_stack"
     if user and _ARCH.search(sentence, low):
         return "architecture"
@@ -483,6 +524,49 @@ def clip_words(text: str, words: int = 60, chars: int = 2_000) -> str:
     if len(parts) > words:
         text = " ".join(parts[:words]) + " …"
     return text if len(text) <= chars else text[:chars] + " …"
+
+
+def components(sentence: str) -> Iterator[tuple[str, str]]:
+    """The (name, version) pairs a sentence names: ("Express", "v4.18.2") from "Express version 4.18.2"."""
+    text = _COMPONENT_VERSION_WORD.sub("v", sentence)
+    for m in _COMPONENT.finditer(text):
+        words, version = (m["name"] or m["lname"]).split(), m["version"] or m["lversion"]
+        while words and words[0].lower() in _NOT_COMPONENTS:
+            words.pop(0)
+        name = " ".join(words)
+        if 1 < len(name) <= 40 and len(version) <= 24 and not _IPV4.fullmatch(version):
+            yield name, version
+
+
+def _version_key(text: str) -> tuple[str, str] | None:
+    """(name, version digits) of a component item ("Node.js v18.15.0"), None for any other item."""
+    name, _, version = text.rpartition(" ")
+    version = version.removeprefix("v")
+    return (name.lower(), version) if name and version[:1].isdigit() and version.replace(".", "").isdigit() else None
+
+
+def _add_component(ledger: Ledger, name: str, version: str, *, source: int, time: str | None) -> Item | None:
+    """A component at a version: nothing when the stack has it at that version already; the same
+    name at another version is replaced ("Node.js v20.1.0 (since …; was: Node.js v18.15.0)")."""
+    key = (name.lower(), version.removeprefix("v"))
+    replaces = None
+    for old in ledger.active("tech_stack"):
+        old_key = _version_key(old.text)
+        if old_key is not None and old_key[0] == key[0]:
+            if old_key[1] == key[1]:
+                return None
+            replaces = old.id
+    item = add_item(ledger, "tech_stack", f"{name} {version}", source=source, time=time, replaces=replaces)
+    stack = [i for i in ledger.active("tech_stack") if is_component("tech_stack", i)]
+    if len(stack) > MAX_STACK:
+        oldest = {id(i) for i in stack[: len(stack) - MAX_STACK]}
+        ledger.tech_stack = [i for i in ledger.tech_stack if id(i) not in oldest]
+    return item
+
+
+def is_component(kind: Kind, item: Item) -> bool:
+    """An extracted stack item that names a component at a version."""
+    return kind == "tech_stack" and not item.edited and _version_key(item.text) is not None
 
 
 def _statements(found: Iterable[str], role: str) -> Iterator[tuple[str, Kind]]:
@@ -504,10 +588,16 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
              for i, turn in enumerate(turns)
              if turn.role in ("user", "assistant")
              for sentence, kind in islice(_statements(sentences(turn.text), turn.role), MAX_STATEMENTS)]
-    if not found:
+    # The user's own stack, with versions (an assistant's suggestion is not yet the project's).
+    named = [(start + i, turn.time or now, name, version)
+             for i, turn in enumerate(turns) if turn.role == "user"
+             for name, version in islice((c for s in sentences(turn.text) for c in components(s)), MAX_COMPONENTS)]
+    if not found and not named:
         return ledger
     out = copy_ledger(ledger)
     added = False
+    for source, time, name, version in named:
+        added = _add_component(out, name, version, source=source, time=time) is not None or added
     for source, time, sentence, kind in found:
         item = add_item(out, kind, _clip(sentence), source=source, time=time)
         if item is None:
@@ -540,6 +630,20 @@ def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> s
         header = f"{TITLES[kind]}:"
         header_cost = count(header) + 1
         section: list[str] = []
+        named = [i for i in items if is_component(kind, i)]
+        if named:  # components on one line: "- Node.js v20.11.1 (since …; was: …), Express v4.18.2, …"
+            items = [i for i in items if not is_component(kind, i)]
+            shown: list[str] = []
+            for item in named:
+                if budget_tokens - used < 4:
+                    break
+                part = f"{item.text}{history(item)}"
+                extra = count(part) + (1 if shown else 2 + header_cost)
+                if used + extra <= budget_tokens:
+                    shown.append(part)
+                    used += extra
+            if shown:
+                section += [header, "- " + ", ".join(shown)]
         for item in items:
             if budget_tokens - used < 4:
                 break  # nothing more fits: no need to count the rest

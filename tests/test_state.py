@@ -264,3 +264,35 @@ def test_what_the_user_never_did_is_not_a_rule() -> None:
     """"I've never configured X" is the user's history (a fact), not a constraint they set."""
     ledger = state.extract(state.Ledger(), [turn("user", "I've never configured environment variables in Render.")], 0)
     assert ledger.active("constraints") == []
+
+
+def test_the_stack_keeps_each_component_at_its_latest_version_with_its_history() -> None:
+    """Components the user names with a version become stack items, whatever the sentence; a new
+    version replaces the old one, which the item keeps; the assistant's suggestions are not the stack."""
+    ledger = state.extract(state.Ledger(), [
+        turn("user", "Can you review my server? I've initialized my Node.js v18.15.0 backend with Express "
+                     "version 4.18.2, and the tests run on pytest 7.4.0 in about 2.5 seconds.",
+             time="2024-01-05T10:00:00"),
+        turn("assistant", "Consider moving to Express 5.0.0 and Fastify 4.21.0 later."),
+    ], 0)
+    assert sorted(i.text for i in ledger.active("tech_stack")) == ["Express v4.18.2", "Node.js v18.15.0",
+                                                                   "pytest 7.4.0"]
+    ledger = state.extract(ledger, [turn("user", "Node.js 18.15.0 is what we run.")], 5)  # same version
+    assert len(ledger.tech_stack) == 3
+    ledger = state.extract(ledger, [turn("user", "We upgraded the backend to Node.js v20.11.1 this morning.",
+                                         time="2024-03-02T09:00:00")], 9)
+    (node,) = [i for i in ledger.active("tech_stack") if i.text.startswith("Node.js")]
+    assert node.text == "Node.js v20.11.1"
+    rendered = state.render(ledger, 500, words)
+    assert "- Node.js v20.11.1 (since 2024-03-02; was: Node.js v18.15.0), pytest 7.4.0, Express v4.18.2" \
+        in rendered.splitlines()  # one line, the newest first
+    assert "Express 5.0.0" not in rendered and "Fastify" not in rendered
+
+
+def test_reference_tags_after_a_statement_are_not_state() -> None:
+    """Numbers after a run of arrows ("->-> 9,30") point elsewhere: the rule is kept without them."""
+    ledger = state.extract(state.Ledger(), [turn(
+        "user", "Always include a latency graph when I ask about profiling results. ->-> 9,30")], 0)
+    assert [i.text for i in ledger.active("constraints")] == [
+        "Always include a latency graph when I ask about profiling results."]
+    assert state.sentences("map a -> 5") == ("map a -> 5",)  # one arrow is prose
