@@ -59,6 +59,9 @@ class Item(BaseModel):
     # What this item replaced, newest first (a decision changed twice keeps both earlier ones):
     # rendered as "(since DATE; was Y)". Bounded by MAX_WAS, each clipped to WAS_WORDS words.
     was: list[str] = Field(default_factory=list)
+    # A component of the stack named at a version ("Node.js v18.15.0"): its name, lower-cased. Such
+    # items are added, replaced and merged by name alone, never as sentences are.
+    component: str | None = None
 
 
 class Ledger(BaseModel):
@@ -185,7 +188,7 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
     text = " ".join(text.split())
     if not text:
         return None
-    existing = ledger.active(kind)
+    existing = [i for i in ledger.active(kind) if not is_component(i)]  # components change by name (_add_component)
     for old in existing:
         if is_duplicate(text, old.text) and not is_restatement(text, old.text) and (old.edited or not edited):
             return None
@@ -237,7 +240,8 @@ def _prune(ledger: Ledger) -> None:
     # Oldest superseded first (edited or not: an edit replaced is history), then oldest extracted;
     # what an edit set and nothing replaced since is kept. A component ("Express v4.18.2") goes after
     # the other extracted items: the stack a project started on is still its stack.
-    order = sorted(((item.superseded_by is None, item.edited, is_component(kind, item), int(item.id[1:]), item)
+    order = sorted(((item.superseded_by is None, item.edited, item.superseded_by is None and is_component(item),
+                     int(item.id[1:]), item)
                     for kind, item in ledger.all_items()), key=lambda t: t[:4])
     drop = {id(t[4]) for t in order[: total - MAX_ITEMS] if not (t[0] and t[1])}
     for kind in KINDS:
@@ -370,28 +374,51 @@ _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)
                       r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b", caseless=True,
                       needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
 # A named component at a version ("Node.js v18.15.0", "React Hook Form version 7.43.9", "pandas 2.0.3"):
-# the tech stack with its versions, from whatever sentence the user says it in. A capitalised name
-# may run to three words; a lower-case one needs a "v" or a full x.y.z (prose says "about 2.5
-# seconds"). Linear: a name starts only where its word does, the version is taken whole
-# (possessive) and may not run on into a longer token ("3.11rc1").
+# the tech stack with its versions, from what the user states. A capitalised name may run to three
+# words; a lower-case one needs a "v" or a full x.y.z (prose says "about 2.5 seconds"). Linear: a
+# name starts only where its word does, the version is taken whole (possessive) and may not run on
+# into a longer token ("3.11rc1").
 _CAPITALISED = r"[A-Z][\w+#-]*(?:\.[A-Za-z]+)?"
+_VERSION = r"v?\d++(?:\.\d++)++(?![\w-]|\.\w)"
 _COMPONENT = re.compile(
-    rf"(?<![\w.@/#+-])(?:(?P<name>{_CAPITALISED}(?:[ \t]+{_CAPITALISED}){{0,2}})\s+(?P<version>v?\d++(?:\.\d++)++)"
-    r"|(?P<lname>[a-z][\w-]*(?:\.js)?)\s+(?P<lversion>v\d++(?:\.\d++)++|\d++\.\d++(?:\.\d++)++))"
-    r"(?![\w-]|\.\w)")
+    rf"(?<![\w.@/#+-])(?:(?P<name>{_CAPITALISED}(?:[ \t]+{_CAPITALISED}){{0,2}})\s+(?P<version>{_VERSION})"
+    rf"|(?P<lname>[a-z][\w-]*(?:\.js)?)\s+(?P<lversion>v\d++(?:\.\d++)++(?![\w-]|\.\w)"
+    r"|\d++\.\d++(?:\.\d++)++(?![\w-]|\.\w)))")
+# "upgraded Node.js from v18.15.0 to v20.1.0": the name once, two versions.
+_UPGRADE = re.compile(rf"(?<![\w.@/#+-])(?P<name>{_CAPITALISED}|[a-z][\w-]*(?:\.js)?)\s+from\s+(?P<old>{_VERSION})"
+                      rf"\s+to\s+(?P<new>{_VERSION})")
 _COMPONENT_VERSION_WORD = re.compile(r"\b(version|ver\.?)\s+(?=v?\d)", _I)
 _IPV4 = re.compile(r"v?\d{1,3}(?:\.\d{1,3}){3}")
-# Words a name does not start with, nor is: "Using Redis 7.0" names Redis; "to 2.0.1" names nothing.
+_DATE = re.compile(r"v?(?:19|20)\d\d\.\d{1,2}\.\d{1,2}")
+# A measure, not a version: "2.5 seconds", "16.0 GB", "1.5 million".
+_UNIT = re.compile(r"\s*(?:%|percent|x\b|[kmgtp]?b\b|[kmg]?hz\b|k?g\b|kgs?\b|lbs?\b|ms\b|s\b|secs?\b|seconds?\b"
+                   r"|mins?\b|minutes?\b|hours?\b|hrs?\b|h\b|days?\b|weeks?\b|months?\b|years?\b|million\b"
+                   r"|billion\b|thousand\b|k\b|m\b|pm\b|am\b|inch(?:es)?\b|cm\b|mm\b|points?\b|times\b|stars?\b)", _I)
+# Statements that do not say the project runs it: "we can't upgrade to Node.js v20", "if we move to
+# Django 5.0.1", "Error: Node.js v20.1.0 is required".
+_HYPOTHETICAL = Pattern(r"\b(?:not|never|no\s+longer|can't|cannot|won't|don't|doesn't|didn't|isn't|aren't"
+                        r"|shouldn't|wouldn't|if|unless|whether|maybe|might|considering|consider|instead\s+of"
+                        r"|error|requires?|required|expected|deprecated|unsupported|compatible)\b",
+                        caseless=True)
+# Words a name does not start with, nor holds: "Using Redis 7.0" names Redis; "to 2.0.1", "See
+# Figure 1.2" and "Monday 3.30" name nothing.
 _NOT_COMPONENTS = frozenset((
     "a", "an", "the", "to", "from", "of", "and", "or", "is", "was", "are", "be", "at", "on", "in", "by", "for",
     "with", "via", "into", "as", "using", "use", "uses", "used", "run", "runs", "running", "install", "installed",
-    "upgrade", "upgraded", "upgrading", "downgrade", "downgraded", "pinned", "latest", "new", "old", "current",
-    "currently", "now", "still", "my", "our", "your", "this", "that", "these", "we", "i", "it", "about", "approx",
-    "approximately", "around", "roughly", "nearly", "over", "under", "than", "version", "release", "step",
-    "phase", "sprint", "chapter", "section", "figure", "table", "scale", "score", "ratio", "rate", "factor",
-    "value", "page", "item", "point", "level", "tier", "milestone", "week", "day", "v", "x", "library", "package",
-    "module", "plugin", "adapter", "driver", "client", "server", "tool", "framework", "image", "api",
+    "upgrade", "upgraded", "upgrading", "downgrade", "downgraded", "bumped", "pinned", "latest", "new", "old",
+    "current", "currently", "now", "still", "then", "only", "took", "takes", "wait", "between", "see", "follow",
+    "my", "our", "your", "its", "their", "this", "that", "these", "we", "i", "it", "about", "approx",
+    "approximately", "around", "roughly", "nearly", "over", "under", "than", "since", "until", "before", "after",
+    "version", "release", "date", "deadline", "step", "phase", "sprint", "chapter", "section", "figure", "fig",
+    "table", "page", "part", "task", "exercise", "problem", "question", "rule", "story", "room", "lesson", "unit",
+    "appendix", "equation", "listing", "example", "item", "point", "level", "tier", "milestone", "scale", "score",
+    "ratio", "rate", "factor", "value", "total", "cost", "costs", "price", "latency", "week", "day", "v", "x",
+    "library", "package", "module", "plugin", "adapter", "driver", "client", "server", "tool", "framework",
+    "image", "api", "usd", "eur", "gbp", "ram", "cpu", "gpu", "monday", "tuesday", "wednesday", "thursday",
+    "friday", "saturday", "sunday", "january", "february", "march", "april", "may", "june", "july", "august",
+    "september", "october", "november", "december", "q1", "q2", "q3", "q4",
 ))
+_NAMED = re.compile(r"[a-z][A-Z]|[.+#-]")  # "OAuth", "PyTorch", "Node.js", "Flask-Limiter": a product's spelling
 MAX_STACK = 48  # active components a ledger keeps (the oldest go first), ahead of other extracted items
 MAX_COMPONENTS = 16  # per message: what one message names beyond that is a list, not a stack
 
@@ -527,46 +554,76 @@ def clip_words(text: str, words: int = 60, chars: int = 2_000) -> str:
 
 
 def components(sentence: str) -> Iterator[tuple[str, str]]:
-    """The (name, version) pairs a sentence names: ("Express", "v4.18.2") from "Express version 4.18.2"."""
-    text = _COMPONENT_VERSION_WORD.sub("v", sentence)
+    """The (name, version) pairs a statement says the project uses: ("Express", "v4.18.2") from
+    "I've set up Express version 4.18.2". Nothing from a question, a negation or a hypothesis, nor
+    from quoted text (an error message names what it requires, not what runs)."""
+    if not is_statement(sentence) or _HYPOTHETICAL.search(sentence, ascii_lower(sentence)):
+        return
+    text = _COMPONENT_VERSION_WORD.sub("v", _unquoted(sentence))
+    found: list[tuple[int, str, str]] = []
+    for m in _UPGRADE.finditer(text):
+        found += [(m.start(), m["name"], m["old"]), (m.start() + 1, m["name"], m["new"])]
     for m in _COMPONENT.finditer(text):
-        words, version = (m["name"] or m["lname"]).split(), m["version"] or m["lversion"]
+        if text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
+            continue  # "moved to Vue 3.3.4 from Vue 2.7.14": the one left behind
+        capitalised = m["name"] is not None
+        version = m["version"] or m["lversion"]
+        words = (m["name"] or m["lname"]).split()
         while words and words[0].lower() in _NOT_COMPONENTS:
             words.pop(0)
+        if not words or any(w.lower() in _NOT_COMPONENTS for w in words) or _UNIT.match(text, m.end()):
+            continue
         name = " ".join(words)
-        if 1 < len(name) <= 40 and len(version) <= 24 and not _IPV4.fullmatch(version):
+        if capitalised and version.count(".") == 1 and not version.startswith("v") and not (
+                _NAMED.search(name[1:]) or _TECH.search(name, ascii_lower(name))):
+            continue  # "Took 2.5", "UK 2.5": a bare x.y after a capitalised word is a number
+        found.append((m.start(), name, version))
+    for _, name, version in sorted(found):
+        if 1 < len(name) <= 40 and len(version) <= 24 and not _IPV4.fullmatch(version) \
+                and not _DATE.fullmatch(version) and name.lower() not in _NOT_COMPONENTS:
             yield name, version
 
 
-def _version_key(text: str) -> tuple[str, str] | None:
-    """(name, version digits) of a component item ("Node.js v18.15.0"), None for any other item."""
-    name, _, version = text.rpartition(" ")
-    version = version.removeprefix("v")
-    return (name.lower(), version) if name and version[:1].isdigit() and version.replace(".", "").isdigit() else None
+_STACK_ITEM = re.compile(r"(?P<name>.{1,40}) (?P<version>v?\d+(?:\.\d+)+)")
+
+
+def _version_key(item: Item) -> tuple[str, str] | None:
+    """(name, version digits) of a component, or of an edited item written like one."""
+    if item.component is not None:
+        version = item.text.rpartition(" ")[2]
+        return item.component, version.removeprefix("v")
+    m = _STACK_ITEM.fullmatch(item.text) if item.edited else None
+    return (m["name"].lower(), m["version"].removeprefix("v")) if m else None
 
 
 def _add_component(ledger: Ledger, name: str, version: str, *, source: int, time: str | None) -> Item | None:
-    """A component at a version: nothing when the stack has it at that version already; the same
-    name at another version is replaced ("Node.js v20.1.0 (since …; was: Node.js v18.15.0)")."""
-    key = (name.lower(), version.removeprefix("v"))
-    replaces = None
+    """A component at a version: nothing when the stack has it at that version already, or an edit
+    names it (an edit wins); the same name at another version is replaced and kept as history
+    ("Node.js v20.1.0 (since …; was: Node.js v18.15.0)")."""
+    key = name.lower()
+    replaced = []
     for old in ledger.active("tech_stack"):
-        old_key = _version_key(old.text)
-        if old_key is not None and old_key[0] == key[0]:
-            if old_key[1] == key[1]:
+        old_key = _version_key(old)
+        if old_key is not None and old_key[0] == key:
+            if old.edited or old_key[1] == version.removeprefix("v"):
                 return None
-            replaces = old.id
-    item = add_item(ledger, "tech_stack", f"{name} {version}", source=source, time=time, replaces=replaces)
-    stack = [i for i in ledger.active("tech_stack") if is_component("tech_stack", i)]
-    if len(stack) > MAX_STACK:
+            replaced.append(old)
+    item = Item(id=_next_id(ledger), text=f"{name} {version}", source=source, time=time, component=key)
+    for old in replaced:
+        old.superseded_by = item.id
+        record_replaced(item, old)
+    ledger.tech_stack.append(item)
+    stack = [i for i in ledger.active("tech_stack") if is_component(i)]
+    if len(stack) > MAX_STACK:  # the least recently added go
         oldest = {id(i) for i in stack[: len(stack) - MAX_STACK]}
         ledger.tech_stack = [i for i in ledger.tech_stack if id(i) not in oldest]
+    _prune(ledger)
     return item
 
 
-def is_component(kind: Kind, item: Item) -> bool:
-    """An extracted stack item that names a component at a version."""
-    return kind == "tech_stack" and not item.edited and _version_key(item.text) is not None
+def is_component(item: Item) -> bool:
+    """A stack item extracted as a component at a version (not an edit, not a sentence)."""
+    return item.component is not None
 
 
 def _statements(found: Iterable[str], role: str) -> Iterator[tuple[str, Kind]]:
@@ -584,28 +641,31 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
     """
     # Classifying does not depend on the ledger: find the statements first, copy only if any.
     # Tool output and system text are not statements of the people working.
-    found = [(start + i, turn.time or now, sentence, kind)
-             for i, turn in enumerate(turns)
-             if turn.role in ("user", "assistant")
-             for sentence, kind in islice(_statements(sentences(turn.text), turn.role), MAX_STATEMENTS)]
-    # The user's own stack, with versions (an assistant's suggestion is not yet the project's).
-    named = [(start + i, turn.time or now, name, version)
-             for i, turn in enumerate(turns) if turn.role == "user"
-             for name, version in islice((c for s in sentences(turn.text) for c in components(s)), MAX_COMPONENTS)]
-    if not found and not named:
+    found = []
+    for i, turn in enumerate(turns):
+        if turn.role not in ("user", "assistant"):
+            continue
+        said = sentences(turn.text)
+        statements = list(islice(_statements(said, turn.role), MAX_STATEMENTS))
+        # The user's own stack, with versions (an assistant's suggestion is not yet the project's).
+        named = list(islice((c for s in said for c in components(s)), MAX_COMPONENTS)) if turn.role == "user" else []
+        if statements or named:
+            found.append((start + i, turn.time or now, statements, named))
+    if not found:
         return ledger
     out = copy_ledger(ledger)
     added = False
-    for source, time, name, version in named:
-        added = _add_component(out, name, version, source=source, time=time) is not None or added
-    for source, time, sentence, kind in found:
-        item = add_item(out, kind, _clip(sentence), source=source, time=time)
-        if item is None:
-            continue
-        added = True
-        for m in _SUPERSEDE.finditer(sentence):
-            term = next(g for g in m.groups() if g)
-            supersede_mentions(out, term, item.id)
+    for source, time, statements, named in found:  # message by message: a later one wins
+        for name, version in named:
+            added = _add_component(out, name, version, source=source, time=time) is not None or added
+        for sentence, kind in statements:
+            item = add_item(out, kind, _clip(sentence), source=source, time=time)
+            if item is None:
+                continue
+            added = True
+            for m in _SUPERSEDE.finditer(sentence):
+                term = next(g for g in m.groups() if g)
+                supersede_mentions(out, term, item.id)
     return out if added else ledger
 
 
@@ -630,9 +690,9 @@ def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> s
         header = f"{TITLES[kind]}:"
         header_cost = count(header) + 1
         section: list[str] = []
-        named = [i for i in items if is_component(kind, i)]
+        named = [i for i in items if is_component(i)]
         if named:  # components on one line: "- Node.js v20.11.1 (since …; was: …), Express v4.18.2, …"
-            items = [i for i in items if not is_component(kind, i)]
+            items = [i for i in items if not is_component(i)]
             shown: list[str] = []
             for item in named:
                 if budget_tokens - used < 4:

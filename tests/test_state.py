@@ -296,3 +296,72 @@ def test_reference_tags_after_a_statement_are_not_state() -> None:
     assert [i.text for i in ledger.active("constraints")] == [
         "Always include a latency graph when I ask about profiling results."]
     assert state.sentences("map a -> 5") == ("map a -> 5",)  # one arrow is prose
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("I've initialized my Node.js v18.15.0 backend with Express version 4.18.2 and Socket.io v4.6.1.",
+     [("Node.js", "v18.15.0"), ("Express", "v4.18.2"), ("Socket.io", "v4.6.1")]),
+    ("Using Redis 7.0.11 for caching, React Hook Form v7.43.9 for forms, Python 3.11 for the jobs.",
+     [("Redis", "7.0.11"), ("React Hook Form", "v7.43.9"), ("Python", "3.11")]),
+    ("We run pandas 2.0.3 and scikit-learn 1.2.2 on 10.0.0.1.", [("pandas", "2.0.3"), ("scikit-learn", "1.2.2")]),
+    ("React 18.2.0 and React DOM 18.2.0 are in.", [("React", "18.2.0"), ("React DOM", "18.2.0")]),
+    ("I upgraded Node.js from v18.15.0 to v20.1.0.", [("Node.js", "v18.15.0"), ("Node.js", "v20.1.0")]),
+    ("We migrated to Vue 3.3.4 from Vue 2.7.14.", [("Vue", "3.3.4")]),
+    # Numbers, measures, dates, references: no component.
+    ("See Figure 1.2 and follow Step 2.1.3 of Section 4.2.1.", []),
+    ("It took 2.5 seconds, about 2.5 s, on Monday 3.30 pm.", []),
+    ("The UK has 2.5 million users; RAM 16.0 GB, CPU 3.2 GHz, costs USD 1.50.", []),
+    ("Release date 2024.03.02 is set, and we bumped 1.2.3 to its 3.12.0 successor.", []),
+    # Questions, negations, hypotheses and quoted errors: not what the project runs.
+    ("Should I upgrade to Node.js v20.1.0?", []),
+    ("I can't upgrade to Node.js v20.1.0 yet.", []),
+    ("We will never use Django 5.0.1.", []),
+    ("Error: Node.js v20.1.0 is required by this package.", []),
+    ("The log says `Node.js v16.0.0` somewhere.", []),
+])
+def test_components_are_what_the_user_says_the_project_runs(text: str, named: list[tuple[str, str]]) -> None:
+    assert list(state.components(text)) == named
+
+
+def test_the_stack_keeps_each_component_apart_from_sentences_and_edits() -> None:
+    """A stack sentence does not swallow the component it names (the next version still replaces
+    the component); an edit of the stack wins over a component extracted later."""
+    ledger = state.extract(state.Ledger(), [turn("user", "Our backend runs on Node.js v18.15.0.")], 0)
+    assert sorted(i.text for i in ledger.active("tech_stack")) == ["Node.js v18.15.0",
+                                                                   "Our backend runs on Node.js v18.15.0."]
+    ledger = state.extract(ledger, [turn("user", "We moved the backend to Node.js v20.1.0 today.")], 4)
+    (node,) = [i for i in ledger.active("tech_stack") if state.is_component(i)]
+    assert node.text == "Node.js v20.1.0" and node.was == ["Node.js v18.15.0"]
+    edited = state.apply_edits(ledger, {"tech_stack": ["Django 4.2.7"]}, time=None)
+    edited = state.extract(edited, [turn("user", "We set up Django 5.0.1 for the admin site.")], 9)
+    assert [i.text for i in edited.active("tech_stack")] == ["Django 4.2.7"]
+
+
+def test_a_later_message_of_one_fold_wins() -> None:
+    """Messages folded together apply in order: going back to Flask after switching away keeps Flask."""
+    ledger = state.extract(state.Ledger(), [
+        turn("user", "We decided to switch from Flask to FastAPI."),
+        turn("user", "Fine, we are back on Flask 2.3.2 for good."),
+    ], 0)
+    assert "Flask 2.3.2" in [i.text for i in ledger.active("tech_stack")]
+
+
+def test_an_assistants_stack_sentence_is_not_the_projects_stack() -> None:
+    ledger = state.extract(state.Ledger(), [turn(
+        "assistant", "Here's an example of a React component using Axios for HTTP requests.")], 0)
+    assert ledger.active("tech_stack") == []
+    ledger = state.extract(ledger, [turn("user", "We're using Redis for caching and Express for the API.")], 1)
+    assert [i.text for i in ledger.active("tech_stack")] == ["We're using Redis for caching and Express for the API."]
+
+
+def test_the_stack_renders_before_decisions_and_outlives_older_items() -> None:
+    """Components render on one line ahead of decisions, and a full ledger drops older extracted
+    statements before the stack the project started on."""
+    ledger = state.extract(state.Ledger(), [turn("user", "I've set up Express version 4.18.2 and Mongoose v7.3.1.")], 0)
+    letters = ["".join(chr(ord("a") + int(d)) for d in f"{n:03d}") for n in range(state.MAX_ITEMS + 10)]
+    ledger = state.extract(ledger, [turn("user", f"We decided to put {w} {w}q {w}z behind the jobs.")
+                                    for w in letters], 1)
+    assert len(ledger.decisions) == state.MAX_ITEMS - 2  # the oldest decisions went, not the stack
+    assert sorted(i.text for i in ledger.active("tech_stack")) == ["Express v4.18.2", "Mongoose v7.3.1"]
+    lines = state.render(ledger, 500, words).splitlines()
+    assert lines[:2] == ["Tech stack:", "- Mongoose v7.3.1, Express v4.18.2"] and lines[2] == "Decisions:"
