@@ -350,10 +350,35 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
                     r"|\bwe(?:'ll| will)\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
                     r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bdecision\s*:|\bi(?:'ve| have)?\s+decided\b",
                     caseless=True)
-_CONSTRAINT = Pattern(r"\b(?:must(?:\s+not)?|mustn't|cannot|can't|never|always|is\s+required|are\s+required"
-                      r"|no\s+more\s+than|at\s+most|at\s+least|not\s+allowed|has\s+to|have\s+to)\b", caseless=True)
+# A rule, not a habit, a feeling or a figure of speech. "always" and "never" count where they order
+# ("Always include ...", "make sure to always ...", "must never ...", "..., never."), not where they
+# describe ("it's always crowded", "I never thought of that", "they don't always win"); a bound
+# ("at least 8 hours") counts beside a need ("the service must handle at least 1,000 users").
+_CONSTRAINT = Pattern(r"\b(?:must(?:\s+not)?|mustn['’]t|cannot|can['’]t|is\s+required|are\s+required"
+                      r"|not\s+allowed|has\s+to|have\s+to)\b"
+                      r"|(?:^|[,;:]\s*|\b(?:please|must|should|shall|to|and|but|also|then)\s+)(?:always|never)\b"
+                      r"|\bi\s+(?:always|never)\s+(?:want|need|use|prefer|require|deploy|commit|push)\b",
+                      caseless=True)
+_BOUND = Pattern(r"\b(?:no\s+more\s+than|at\s+most|at\s+least)\b", caseless=True)
+_NEED = Pattern(r"\b(?:need|needs|must|should|requires?|required|has\s+to|have\s+to|limit|cap|keep)\b", caseless=True)
+# Words of obligation that oblige nothing, cut out before the rule is looked for: "I can't wait",
+# "I have to say", "I'll have to try it" (a plan of one's own), "you don't have to", "it must have
+# taken weeks". What is left may still hold a rule: "I can't wait to ship, but it must run on 3.8".
+_NOT_RULE = re.compile(r"\bcan(?:['’]t|not)\s+(?:wait|believe|help|thank|imagine|stop|get\s+enough|say|tell"
+                       r"|remember|decide)\b|\b(?:have|has)\s+to\s+(?:say|admit|offer|be\s+honest)\b"
+                       r"|(?:['’]ll|\bwill|\bmight|\bmay|\bgoing\s+to|\bgonna|\bwould|['’]d|\bcould)\s+have\s+to\b"
+                       r"|\b(?:don['’]t|doesn['’]t|didn['’]t|won['’]t|not|never)\s+(?:have|has)\s+to\b"
+                       r"|\bmust\s+(?:have\s+(?:been|\w+(?:ed|en)\b)|be\s+(?:nice|great|hard|fun|tough|so|really"
+                       r"|amazing|awesome|wonderful|exciting|difficult))", re.IGNORECASE)
+# An error message quoted without quotes ("TypeError: Cannot assign to ...") states what failed.
+_ERROR_TEXT = re.compile(r"\w{0,40}(?:error|exception)\s*:|\berr!|\btraceback\b", re.IGNORECASE)
 _PREFERENCE = Pattern(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\bi(?:'d| would)\s+(?:like|rather)\b"
                       r"|\bplease\s+(?:always|never|keep|use|avoid)\b", caseless=True)
+# "I'd like to know more about X", "I want to try making kimchi": a request of the moment, not a
+# taste that lasts. Cut out before a preference is looked for; "I want to keep functions short" stays.
+_REQUEST = re.compile(r"\bi(?:\s+(?:just\s+|really\s+)?want|['’]d\s+(?:really\s+)?like|\s+would\s+like)\s+to\s+"
+                      r"(?!keep\b|use\b|avoid\b|stick\b|stay\b|limit\b|prioriti[sz]e\b|minimi[sz]e\b)",
+                      re.IGNORECASE)
 _TASK = Pattern(r"\btodo\b|\bwe\s+(?:still\s+)?need\s+to\b|\bnext,?\s+(?:we|i)\s+(?:should|need|will)\b"
                 r"|\bdon't\s+forget\s+to\b|\bremaining\s*:|\bopen\s+task\b", caseless=True)
 _TODO = Pattern(r"\bTODO\b")
@@ -514,6 +539,24 @@ def is_statement(sentence: str) -> bool:
     return not _NOT_STATE.search(sentence, ascii_lower(sentence))
 
 
+def is_rule(sentence: str) -> bool:
+    """Whether a sentence sets a constraint: words that oblige, outside quotes, figures of speech and
+    error messages."""
+    lowered = sentence.lower()
+    if any(w in lowered for w in ("error", "exception", "err!", "traceback")) and _ERROR_TEXT.search(sentence):
+        return False
+    text = _NOT_RULE.sub(" ", _unquoted(sentence))
+    low = ascii_lower(text)
+    return _CONSTRAINT.search(text, low) or (_BOUND.search(text, low) and _NEED.search(text, low))
+
+
+def is_preference(sentence: str) -> bool:
+    """Whether a sentence states a taste ("I prefer small pull requests", "I'd like the answers in
+    bullet points"), not only a request of the moment ("I'd like to know more about X")."""
+    text = _REQUEST.sub(" ", sentence)
+    return _PREFERENCE.search(text, ascii_lower(text))
+
+
 def classify(sentence: str, role: str) -> Kind | None:
     """Which ledger kind a sentence states, if any. Users set goals, rules and tastes; both sides decide."""
     user = role == "user"
@@ -526,9 +569,9 @@ def classify(sentence: str, role: str) -> Kind | None:
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
-    if user and _CONSTRAINT.search(_unquoted(sentence)) and not _NEVER_DONE.search(sentence, low):
+    if user and is_rule(sentence) and not _NEVER_DONE.search(sentence, low):
         return "constraints"
-    if user and _PREFERENCE.search(sentence, low):
+    if user and _PREFERENCE.search(sentence, low) and is_preference(sentence):
         return "preferences"
     if (user and _TASK.search(sentence, low)) or _TODO.search(sentence):
         return "open_tasks"

@@ -266,6 +266,54 @@ def test_what_the_user_never_did_is_not_a_rule() -> None:
     assert ledger.active("constraints") == []
 
 
+@pytest.mark.parametrize("text", [
+    "I'll have to watch that show next!",
+    "But I have to say, I love being able to stream music from anywhere.",
+    "I never realized that account sharing was such a big deal.",
+    "It's always tough to make ends meet as a student.",
+    "They don't always win, but at least they try.",
+    "I can't wait to try them all when I visit China.",
+    "It must have taken a massive workforce to pull that off!",
+    "If you're in the mood for something relaxing, you could always take a nap.",
+    "I always end up wasting them after a few days.",
+    "npm ERR! stack TypeError: Cannot assign to read only property 'cflags' of object",
+])
+def test_habits_feelings_and_figures_of_speech_are_not_rules(text: str) -> None:
+    """"always", "never", "have to" and "can't" describe or exclaim as often as they order: only an
+    order becomes a constraint."""
+    ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
+    assert ledger.active("constraints") == []
+
+
+@pytest.mark.parametrize("text", [
+    "Never deploy on Fridays.",
+    "Please make sure to always include the address of each place.",
+    "Don't log tokens, never.",
+    "I can't wait to ship it, but it must run on Python 3.8.",
+    "I need at least 80% test coverage on the billing module.",
+    "I always want the examples in TypeScript.",
+    "The upload has to stay under 50 MB.",
+])
+def test_orders_are_rules(text: str) -> None:
+    """The same words in an order are a constraint, kept in the user's words."""
+    ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
+    assert [i.text for i in ledger.active("constraints")] == [text]
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("I'd like to know more about the fishing regulations in Unit 54.", None),
+    ("I want to try making kimchi at home.", None),
+    ("I want to make sure I have enough space in my closet.", None),
+    ("I prefer small pull requests.", "preferences"),
+    ("I'd like the answers in bullet points.", "preferences"),
+    ("I want to keep every function under 40 lines.", "preferences"),
+])
+def test_a_request_of_the_moment_is_not_a_preference(text: str, kind: str | None) -> None:
+    """"I'd like to know more about X" asks for something now; a preference is a taste that lasts."""
+    ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
+    assert [(k, i.text) for k, i in ledger.all_items()] == ([(kind, text)] if kind else [])
+
+
 def test_the_stack_keeps_each_component_at_its_latest_version_with_its_history() -> None:
     """Components the user names with a version become stack items, whatever the sentence; a new
     version replaces the old one, which the item keeps; the assistant's suggestions are not the stack."""
