@@ -18,7 +18,7 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 4. Knapsack fill: messages are taken greedily by score per token, not by score: evidence is
    mostly short user messages, while a long answer matching on a few words eats the budget.
 5. Whole sessions: each session is scored as one BM25 document; every message of a session above
-   the median session gets 0.7 x (its excess / the best excess) x the best message score. Facts on
+   the median session gets 0.35 x (its excess / the best excess) x the best message score. Facts on
    one topic are spread over a session's messages. Relative to the median so that a prior lifting
    every session alike (a one-session conversation) changes nothing.
 6. Time: "two months ago", "last Tuesday", "in March", "March 3rd" are resolved against the
@@ -81,7 +81,7 @@ class RankingParams:
     strip_stamp: bool = True
     meta_stop: bool = True
     neighbour_weight: float = 0.3
-    session_weight: float = 0.7
+    session_weight: float = 0.35
     session_k1: float = 1.2
     time_weight: float = 0.5
     cost_alpha: float = 1.0
