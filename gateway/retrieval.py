@@ -32,6 +32,9 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
    the recent window matches the question at least `reach_back` times as well (raw BM25) as the best
    earlier one: the question is about what the window already holds, and new excerpts would only be
    written to the provider's cache to be read past. Questions that name a time always reach back.
+9. Openings: a question about the start ("when I first described my setup", "the initial
+   deadline", "originally") gives the messages of the first session 0.3 x the best score: in a
+   project's conversation the start is where the setup, the first plan and the deadlines are said.
 
 Cost: `add` is O(message length). Postings are per-term `bytearray`s of native uint32
 `position << 8 | tf` (tf capped at 255, read through `memoryview.cast`), a bare int while a term
@@ -84,6 +87,9 @@ class RankingParams:
     session_weight: float = 0.35
     session_k1: float = 1.2
     time_weight: float = 0.5
+    # A question about the start ("when I first described my setup", "the initial deadline") favours
+    # the conversation's first session by this share of the best score.
+    opening_weight: float = 0.3
     cost_alpha: float = 1.0
     recent_weight: float = 0.2
     recent_terms: int = 8
@@ -106,7 +112,7 @@ class RankingParams:
         """Plain BM25 on raw words, greedy by score: the baseline the refinements are measured against."""
         return cls(
             stop_words=False, stem=False, strip_stamp=False, meta_stop=False, neighbour_weight=0.0,
-            session_weight=0.0, time_weight=0.0, cost_alpha=0.0, recent_weight=0.0,
+            session_weight=0.0, time_weight=0.0, opening_weight=0.0, cost_alpha=0.0, recent_weight=0.0,
         )
 
 
@@ -136,6 +142,10 @@ _STOP = frozenset(
         "your", "yours", "yourself", "yourselves"
     }
 )
+# "when I first described my setup", "the initial deadline", "at the start": the conversation's opening.
+_OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started|began)\b"
+                      r"|\b(?:at|in)\s+the\s+(?:start|beginning)\b|\bto\s+start\s+(?:my|our|the|this)\b",
+                      re.IGNORECASE)
 # Words that only say "this is a question about our history"; they match every chatty message.
 _META = frozenset(
     {
@@ -528,6 +538,13 @@ class RetrievalIndex:
             self._add_session_prior(weights, scores, n, top)
         if spans:
             self._add_time_prior(spans, scores, n, top)
+        # (Not when the first session is most of the conversation: it would say nothing.)
+        if (p.opening_weight > 0 and len(self._sess_start) > 1 and 2 * self._sess_start[1] <= n
+                and _OPENING.search(query) is not None):
+            bonus = p.opening_weight * top
+            get = scores.get
+            for d in range(self._sess_start[1]):
+                scores[d] = get(d, 0.0) + bonus
         if dense:
             scores = self._fuse(scores, dense, exclude)
         return self._fill(scores, budget_tokens, exclude, min_relevance)

@@ -305,3 +305,26 @@ def test_the_budget_goes_to_short_matching_turns_before_one_long_answer() -> Non
     tokens[30] = tokens[40] = tokens[50] = 20
     hits = _index(msgs, tokens).search("kestrel backups replication failover nodes", budget_tokens=300)
     assert {30, 40, 50} <= {e.index for e in hits}
+
+
+def test_a_question_about_the_start_favours_the_first_session() -> None:
+    """"When I first described my setup" is about the conversation's opening, where the setup was
+    said, even when a later message matches the question's words better; a question about no time
+    is not pulled there."""
+    plant = {
+        0: "Setup versions: Python 3.11, Django 4.2.",
+        60: "The intern asked about my setup versions today.",
+    }
+    messages = _conversation(80, plant=plant)
+    index = _index(messages)
+    (first,) = index.search("Which versions did I say I was using when I first described my setup?",
+                            budget_tokens=20)
+    assert first.index == 0
+    (plain,) = index.search("Which versions did I say I was using when I described my setup?", budget_tokens=20)
+    assert plain.index == 60
+    off = RetrievalIndex(RankingParams(opening_weight=0.0))
+    for i, (role, text, time) in enumerate(messages):
+        off.add(i, role, text, time, 20)
+    (unfavoured,) = off.search("Which versions did I say I was using when I first described my setup?",
+                               budget_tokens=20)
+    assert unfavoured.index == 60
