@@ -508,6 +508,8 @@ _NOT_STATE = Pattern(
     r"|can(?!['’]t|not)|could|would|should|shall|is|are|am|was|were|do(?!\s+not\b|n['’]t)|does|did|will"
     r"|any\s+(?:idea|ideas|tips|thoughts)|is\s+there|are\s+there)\b"
     r"|^(?:hi|hello|hey|thanks|thank\s+you|good\s+(?:morning|afternoon|evening)|cheers|bye|hmm+|ugh|argh)\b"
+    r"|^(?:so|and|but|now)?[\s,]*(?:i(?:'d|\s+would)\s+like\s+to\s+know|i(?:'m|\s+am|\s+was)\s+wondering"
+    r"|i\s+wonder)\b"
     r"|\b(?:frustrat\w*|annoying|annoyed|staring\s+at|for\s+hours|driving\s+me|i(?:'m|\s+am)\s+(?:stuck|lost"
     r"|confused|tired|exhausted)|makes\s+no\s+sense|doesn't\s+make\s+sense|sick\s+of|tired\s+of"
     r"|(?:hate|hated)\s+(?:this|it|that|when)|so\s+(?:confusing|annoying)|no\s+idea\s+why|i\s+give\s+up"

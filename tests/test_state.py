@@ -232,6 +232,8 @@ def test_a_decision_changed_twice_shows_the_latest_with_its_history() -> None:
     "What is the goal is the question I keep asking myself",
     "I'm getting a 'Cannot set headers after they are sent' error that must come from authController.js.",
     "I'm not sure we decided to always use UTC.",
+    "I'd like to know if there are any issues with using Redis as a session store.",
+    "I'm wondering whether we must keep the old endpoint.",
 ])
 def test_questions_greetings_and_complaints_are_never_state(text: str) -> None:
     """Sentences that ask, greet or complain hold the words of a constraint or a decision, but state
