@@ -541,22 +541,27 @@ def is_statement(sentence: str) -> bool:
     return not _NOT_STATE.search(sentence, ascii_lower(sentence))
 
 
-def is_rule(sentence: str) -> bool:
+def is_rule(sentence: str, low: str | None = None) -> bool:
     """Whether a sentence sets a constraint: words that oblige, outside quotes, figures of speech and
-    error messages."""
-    lowered = sentence.lower()
+    error messages, and not what the user never did. `low`: ascii_lower(sentence), when known."""
+    lowered = low if low is not None else sentence.lower()
     if any(w in lowered for w in ("error", "exception", "err!", "traceback")) and _ERROR_TEXT.search(sentence):
         return False
+    if _NEVER_DONE.search(sentence, low):
+        return False
     text = _NOT_RULE.sub(" ", _unquoted(sentence))
-    low = ascii_lower(text)
-    return _CONSTRAINT.search(text, low) or (_BOUND.search(text, low) and _NEED.search(text, low))
+    low_text = ascii_lower(text)
+    return _CONSTRAINT.search(text, low_text) or (_BOUND.search(text, low_text) and _NEED.search(text, low_text))
 
 
-def is_preference(sentence: str) -> bool:
+def is_preference(sentence: str, low: str | None = None) -> bool:
     """Whether a sentence states a taste ("I prefer small pull requests", "I'd like the answers in
-    bullet points"), not only a request of the moment ("I'd like to know more about X")."""
+    bullet points"), not only a request of the moment ("I'd like to know more about X"). `low`:
+    ascii_lower(sentence), when known."""
+    if not _PREFERENCE.search(sentence, low):
+        return False
     text = _REQUEST.sub(" ", sentence)
-    return _PREFERENCE.search(text, ascii_lower(text))
+    return text == sentence or _PREFERENCE.search(text, ascii_lower(text))
 
 
 def classify(sentence: str, role: str) -> Kind | None:
@@ -571,9 +576,9 @@ def classify(sentence: str, role: str) -> Kind | None:
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
-    if user and is_rule(sentence) and not _NEVER_DONE.search(sentence, low):
+    if user and is_rule(sentence, low):
         return "constraints"
-    if user and _PREFERENCE.search(sentence, low) and is_preference(sentence):
+    if user and is_preference(sentence, low):
         return "preferences"
     if (user and _TASK.search(sentence, low)) or _TODO.search(sentence):
         return "open_tasks"
