@@ -244,7 +244,8 @@ class ConversationAPI:
         ref, _ = await self._existing(request)
         number = request.match_info["branch"]
         found = await self._guard(self.store.branches(ref))
-        if not number.isdigit() or not 1 <= int(number) <= len(found):
+        # isdigit() also takes "²" and other digits int() refuses; ten digits are more branches than exist.
+        if not (number.isascii() and number.isdigit() and len(number) < 10) or not 1 <= int(number) <= len(found):
             raise GatewayError(404, "not_found_error", f"no branch {number!r} in conversation {ref.conversation!r}")
         branch = found[int(number) - 1]
         offset = _int(request, "offset", 0, 0, 10**9)
@@ -268,11 +269,11 @@ class ConversationAPI:
         turns = await self._guard(self.store.messages(ref, start, view.length))
 
         def rank() -> list[tuple[int, float]]:
-            index = RetrievalIndex()
+            index = RetrievalIndex()  # positions from 0 (it appends only): turns[i] is message start + i
             for i, t in enumerate(turns):
-                index.add(start + i, t.role, t.text, t.time, t.tokens)
+                index.add(i, t.role, t.text, t.time, t.tokens)
             found = index.search(query, budget_tokens=sum(t.tokens for t in turns) + 1)
-            return [(e.index, e.score) for e in sorted(found, key=lambda e: -e.score)[:limit]]
+            return [(start + e.index, e.score) for e in sorted(found, key=lambda e: -e.score)[:limit]]
 
         hits = await asyncio.to_thread(rank)  # CPU work over up to SEARCH_MAX_MESSAGES: off the event loop
         return _json({"object": "list", "query": query, "data": [

@@ -111,6 +111,20 @@ async def test_search_finds_stored_messages_best_first(gwa: Gateway) -> None:
     assert (await _get(gwa, "/gateway/conversations/searchable/search?q="))[0] == 400
 
 
+async def test_search_reads_only_the_newest_messages_of_a_long_conversation(
+        gwa: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversation longer than the search reads (api.SEARCH_MAX_MESSAGES, shrunk here) is searched
+    in its newest messages, with their positions in the whole conversation (it was a 500)."""
+    from gateway import api
+
+    msgs = await _talk(Chat(gwa, "openai", "long-search"), 6)
+    monkeypatch.setattr(api, "SEARCH_MAX_MESSAGES", 4)
+    status, found = await _get(gwa, "/gateway/conversations/long-search/search?q=window%20risks&limit=10")
+    assert status == 200, found
+    assert found["data"] and all(d["index"] >= len(msgs) - 4 for d in found["data"])
+    assert all(d["message"] == msgs[d["index"]] for d in found["data"])
+
+
 async def test_stats_totals_match_the_requests_and_draw_a_series(gwa: Gateway) -> None:
     """GET /gateway/stats adds up the caller's requests: tokens original vs forwarded and a time series."""
     await _talk(Chat(gwa, "openai", "long"), 10)

@@ -50,6 +50,10 @@ async def test_an_edit_keeps_the_abandoned_turns_readable(gw: Gateway, dialect: 
     assert [d["index"] for d in page["data"]] == [2, 3, 4, 5]
     status, _ = await g.api("GET", "kept/branches/2/messages")
     assert status == 404
+    # Digits int() refuses ("²", superscript two, passes str.isdigit) and one too long to convert.
+    for number in ("%C2%B2", "1" * 5000):
+        status, err = await g.api("GET", f"kept/branches/{number}/messages")
+        assert status == 404 and err["error"]["type"] == "not_found_error"
 
 
 async def test_abandoned_branches_expire_with_the_conversation_and_go_with_it(redis_url: str) -> None:
