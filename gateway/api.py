@@ -31,6 +31,7 @@ from gateway.store import UNAVAILABLE, Store, StoreUnavailable
 
 ADMIN_TENANT_HEADER = "X-Gateway-Tenant"
 MAX_PAGE = 1000
+MAX_SUMMARY_EDIT_CHARS = 20_000
 SEARCH_MAX_MESSAGES = 5000  # newest messages a search reads: bounds its time and memory
 SEARCH_MAX_QUERY = 1000  # characters
 
@@ -316,6 +317,10 @@ class ConversationAPI:
         text = body.get("text") if isinstance(body, dict) else None
         if not isinstance(text, str):
             raise GatewayError(400, "invalid_request_error", 'body must be {"text": "<summary>"}')
+        if len(text) > MAX_SUMMARY_EDIT_CHARS:
+            # It goes into every rewritten request, and counting it runs on the event loop.
+            raise GatewayError(400, "invalid_request_error",
+                               f"a summary edit holds at most {MAX_SUMMARY_EDIT_CHARS} characters (got {len(text)})")
         summary = await self._guard(self.store.put_summary(ref, text, self._count(text)))
         await self._changed(ref)
         return _json({"summary": _summary_json(summary, True)})

@@ -51,7 +51,11 @@ SUMMARY_TEXT = "x"
 SUMMARY_COVERS = "n"  # the summary stands for messages [0, covers)
 SUMMARY_TOKENS = "k"
 SUMMARY_CHAIN = "c"  # chain hash of message covers-1
-SUMMARY_EDITED = "e"  # "1": written by hand through the API
+SUMMARY_EDITED = "e"  # "1": written by hand through the API (and kept through the folds since)
+# The text of the last edit through the API, and its tokens: later folds keep it verbatim at the
+# summary's head and summarise only after it (an edit wins over extraction).
+SUMMARY_PINNED = "p"
+SUMMARY_PINNED_TOKENS = "pk"
 SUMMARY_FOLDED_AT = "t"  # unix seconds of the last fold commit (the dashboard's "last fold")
 # <T>:state and a project's state
 STATE_LEDGER = "j"  # the ledger as JSON

@@ -202,7 +202,7 @@ local covers = tonumber(redis.call('HGET', KEYS[4], '${SUMMARY_COVERS}'))
 if covers and covers > at then
   -- The summary stands for messages of the abandoned branch: drop it, keep the version growing.
   redis.call('HDEL', KEYS[4], '${SUMMARY_TEXT}', '${SUMMARY_COVERS}', '${SUMMARY_TOKENS}', '${SUMMARY_CHAIN}',
-             '${SUMMARY_EDITED}')
+             '${SUMMARY_EDITED}', '${SUMMARY_PINNED}', '${SUMMARY_PINNED_TOKENS}')
   redis.call('HINCRBY', KEYS[4], '${SUMMARY_VERSION}', 1)
 end
 local last, tokens = bchain, 0
@@ -231,8 +231,10 @@ if covers > 0 then
 elseif ARGV[4] ~= '' then
   return 0
 end
+-- A hand edit stays (the fold kept its text at the head): the summary is still partly the user's.
+local edited = redis.call('HEXISTS', KEYS[4], '${SUMMARY_PINNED}')
 redis.call('HSET', KEYS[4], '${SUMMARY_VERSION}', v + 1, '${SUMMARY_TEXT}', ARGV[5], '${SUMMARY_COVERS}', covers,
-           '${SUMMARY_TOKENS}', ARGV[6], '${SUMMARY_CHAIN}', ARGV[4], '${SUMMARY_EDITED}', 0,
+           '${SUMMARY_TOKENS}', ARGV[6], '${SUMMARY_CHAIN}', ARGV[4], '${SUMMARY_EDITED}', edited,
            '${SUMMARY_FOLDED_AT}', ARGV[7])
 touch(ttl)
 return v + 1
@@ -246,7 +248,8 @@ local v = (tonumber(cur[1]) or 0) + 1
 local covers, chain = 0, ''
 if cur[2] then covers, chain = tonumber(cur[3]) or 0, cur[4] or '' end
 redis.call('HSET', KEYS[4], '${SUMMARY_VERSION}', v, '${SUMMARY_TEXT}', ARGV[2], '${SUMMARY_COVERS}', covers,
-           '${SUMMARY_TOKENS}', ARGV[3], '${SUMMARY_CHAIN}', chain, '${SUMMARY_EDITED}', 1)
+           '${SUMMARY_TOKENS}', ARGV[3], '${SUMMARY_CHAIN}', chain, '${SUMMARY_EDITED}', 1,
+           '${SUMMARY_PINNED}', ARGV[2], '${SUMMARY_PINNED_TOKENS}', ARGV[3])
 touch(tonumber(ARGV[1]))
 return {v, covers, chain}
 """

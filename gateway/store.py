@@ -58,6 +58,8 @@ from gateway.keys import (
     SUMMARY_COVERS,
     SUMMARY_EDITED,
     SUMMARY_FOLDED_AT,
+    SUMMARY_PINNED,
+    SUMMARY_PINNED_TOKENS,
     SUMMARY_TEXT,
     SUMMARY_TOKENS,
     SUMMARY_VERSION,
@@ -382,6 +384,13 @@ class Store:
             v, covers, chain = await self._put_summary(
                 keys=self.keys.conversation_keys(ref), args=[self.ttl, text, int(tokens)])
         return Summary(text=text, covers=int(covers), version=int(v), tokens=int(tokens), chain=chain.decode())
+
+    async def pinned_summary(self, ref: ConvRef) -> tuple[str, int]:
+        """The text of the summary's last hand edit and its tokens ("", 0 when none): folds keep it."""
+        with _guard:
+            got: Any = await self.redis.hmget(self.keys.summary(ref), [SUMMARY_PINNED, SUMMARY_PINNED_TOKENS])
+        text, tokens = got
+        return (text.decode(), int(tokens or 0)) if text is not None else ("", 0)
 
     async def get_summary(self, ref: ConvRef) -> tuple[Summary | None, int, bool]:
         """(summary or None, current version, edited by hand)."""

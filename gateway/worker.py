@@ -378,6 +378,12 @@ class FoldWorker:
         previous = view.summary
         version = previous.version if previous is not None else 0
         text = previous.text if previous is not None else ""
+        # A hand edit stays verbatim at the head: only what follows it is the summarizer's to rewrite.
+        pinned, pinned_tokens = await self.store.pinned_summary(ref) if previous is not None else ("", 0)
+        if pinned and text.startswith(pinned):
+            text = text[len(pinned):].lstrip("\n")
+        else:
+            pinned, pinned_tokens = "", 0
         proposal: StateChange | None = None
         pid = os.getpid()
         if self.local:
@@ -392,7 +398,11 @@ class FoldWorker:
                                              timeline_tokens=mem.timeline_tokens)
             tokens = self.summarizer.count(result.text)
         chain = aged[-1].chain
-        summary = Summary(text=result.text, covers=target, version=version + 1, tokens=tokens, chain=chain)
+        folded = result.text
+        if pinned:
+            folded = f"{pinned}\n\n{folded}" if folded else pinned
+            tokens += pinned_tokens + (2 if result.text else 0)  # the blank line between them
+        summary = Summary(text=folded, covers=target, version=version + 1, tokens=tokens, chain=chain)
         tokens_in, tokens_out = result.tokens_in, result.tokens_out
         if not await self.store.commit_fold(ref, expect_version=version, summary=summary):
             log.info("fold.conflict", conversation=ref.conversation, covers=target)

@@ -130,6 +130,36 @@ async def test_put_summary_is_used_by_the_next_request(gw_redis: Gateway) -> Non
         assert status == 400 and _is_openai_error(err)
 
 
+async def test_a_summary_edit_stays_at_the_head_through_later_folds(gw: Gateway) -> None:  # noqa: F811
+    """Folds after a summary edit keep its text verbatim at the summary's head and summarise after it
+    (the extractive fold used to compress the edit away once the summary grew past its cap)."""
+    gw.fake.responder = reply_text
+    chat, msgs = Chat(gw, "openai", "kept-edit"), []
+    await _talk(chat, msgs, range(16))
+    text = "HAND-EDIT: the user ships the billing service on PostgreSQL 16 and wants terse answers."
+    status, body = await gw.api("PUT", "kept-edit/summary", json={"text": text})
+    assert status == 200 and body["summary"]["edited"] is True
+    version = body["summary"]["version"]
+    await _talk(chat, msgs, range(16, 40))
+    summary = (await gw.api("GET", "kept-edit"))[1]["summary"]
+    assert summary["version"] >= version + 2  # folds committed since the edit
+    assert summary["edited"] is True and summary["covers"] > body["summary"]["covers"]
+    # The edit, then what was folded since (the turns' own words).
+    assert summary["text"].startswith(text) and "Turn 30" in summary["text"][len(text):]
+    assert text in chat.injected()
+
+
+async def test_a_summary_edit_is_bounded(gw: Gateway) -> None:  # noqa: F811
+    """A summary edit over 20,000 characters is a 400 in the caller's format, and the summary is unchanged."""
+    gw.fake.responder = reply_text
+    chat, msgs = Chat(gw, "openai", "big-edit"), []
+    await _talk(chat, msgs, range(16))
+    before = (await gw.api("GET", "big-edit"))[1]["summary"]
+    status, err = await gw.api("PUT", "big-edit/summary", json={"text": "word " * 4001})
+    assert status == 400 and _is_openai_error(err) and "20000 characters" in err["error"]["message"]
+    assert (await gw.api("GET", "big-edit"))[1]["summary"] == before
+
+
 async def test_post_fold_produces_a_summary(gw: Gateway) -> None:  # noqa: F811
     """POST .../fold queues a fold now: after the workers settle the conversation has a summary."""
     gw.fake.responder = reply_text

@@ -313,6 +313,8 @@ async def test_branch_truncates_and_drops_a_summary_of_the_abandoned_branch(stor
     await fill(store, REF, items)
     chains = await store.chains(REF)
     assert await store.commit_fold(REF, expect_version=0, summary=Summary("s", 12, 0, 5, chains[11]))
+    await store.put_summary(REF, "by hand", 3)
+    assert await store.pinned_summary(REF) == ("by hand", 3)
     new = [turn("edited"), turn("reply", "assistant", tokens=10)]
     res = await store.branch(REF, at=8, base_chain=chains[7], turns=new, dialect="openai_chat")
     assert (res.ok, res.length, res.appended, res.start) == (True, 10, 2, 8)
@@ -323,7 +325,8 @@ async def test_branch_truncates_and_drops_a_summary_of_the_abandoned_branch(stor
     assert await store.chains(REF) == expected and view.last_chain == expected[-1] == res.chain
     assert view.tokens_total == 8 * 3 + 3 + 10
     summary, version, _ = await store.get_summary(REF)
-    assert summary is None and version == 2
+    assert summary is None and version == 3
+    assert await store.pinned_summary(REF) == ("", 0)  # the edit described the abandoned branch too
 
 
 async def test_branch_keeps_a_summary_within_the_kept_prefix(store: Store) -> None:
@@ -402,6 +405,9 @@ async def test_manual_summary_edit_wins_over_an_inflight_fold(store: Store) -> N
     assert not await store.commit_fold(REF, expect_version=1, summary=Summary("x", 12, 0, 5, chains[11]))
     summary, version, was_edited = await store.get_summary(REF)
     assert summary == edited and version == 2 and was_edited
+    # A later fold keeps the edit flag: the worker keeps the edit's text at the summary's head.
+    assert await store.commit_fold(REF, expect_version=2, summary=Summary("by hand\n\nmore", 12, 0, 7, chains[11]))
+    assert (await store.get_summary(REF))[2] and await store.pinned_summary(REF) == ("by hand", 3)
 
 
 # ---- state, stats, fold queue, delete ---------------------------------------------------------
