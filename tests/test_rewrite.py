@@ -461,6 +461,32 @@ def test_pinned_excerpts_render_before_their_message_in_every_dialect() -> None:
     assert [b["text"] for b in msgs[2]["content"]][:2] == ["NEW", "q2"]
 
 
+def _summary_mark(body: dict[str, Any]) -> Any:
+    plan = Plan(kind="rewritten", state_block="", summary_block="SUMMARY", head=[], omitted_marker="",
+                window=body["messages"], excerpts_block="", tokens_original=100, tokens_forwarded=50)
+    system = an.render(body, plan, cache_control=True)["system"]
+    assert system[-1]["text"] == "SUMMARY"
+    return system[-1].get("cache_control")
+
+
+def test_the_anthropic_breakpoint_counts_the_top_level_one_and_keeps_the_ttl_order() -> None:
+    """The breakpoint after the summary is added only while Anthropic would accept it: within 4 with
+    the request's top-level `cache_control` (automatic caching) counted, and never a 5-minute one before
+    a client's 1-hour one (a 1-hour one when the client's later breakpoints are; none when its earlier
+    ones are 5-minute and its later ones 1-hour). Either mistake is a 400 from Anthropic."""
+    five, hour = {"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}
+    tools = [{"name": "t", "input_schema": {"type": "object"}, "cache_control": five}]
+    system = [{"type": "text", "text": f"S{i}", "cache_control": five} for i in (1, 2)]
+    user = [{"role": "user", "content": "q"}]
+    assert _summary_mark({"messages": user, "system": system, "tools": tools}) == five  # 3 + ours
+    assert _summary_mark({"messages": user, "system": system, "tools": tools, "cache_control": five}) is None
+    marked = [{"role": "user", "content": [{"type": "text", "text": "q", "cache_control": hour}]}]
+    assert _summary_mark({"messages": marked}) == hour
+    assert _summary_mark({"messages": user, "cache_control": hour}) == hour
+    assert _summary_mark({"messages": marked, "system": [system[0]]}) is None
+    assert _summary_mark({"messages": user, "system": [{"type": "text", "text": "S", "cache_control": hour}]}) == five
+
+
 def test_a_held_fold_leaves_the_excerpt_budget_as_the_applied_fold_would() -> None:
     """The excerpts fill up to a share of the history less the other layers; the longer window a held
     fold forwards (rewrite.keep_layers) does not eat into them."""

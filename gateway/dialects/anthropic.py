@@ -203,16 +203,23 @@ def _merge_users(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return new
 
 
-def _count_breakpoints(value: Any) -> int:
+def _breakpoints(value: Any) -> list[str]:
+    """The cache lifetime of each cache_control breakpoint in `value` (blocks, tools or messages), in
+    the order Anthropic reads them: "1h", or "5m" (the default)."""
     if isinstance(value, list):
-        return sum(_count_breakpoints(v) for v in value)
+        return [ttl for v in value for ttl in _breakpoints(v)]
     if isinstance(value, dict):
-        n = 1 if value.get("cache_control") is not None else 0
+        mark = value.get("cache_control")
+        found = [] if mark is None else [_ttl(mark)]
         content = value.get("content")
         if isinstance(content, list):
-            n += _count_breakpoints(content)
-        return n
-    return 0
+            found += _breakpoints(content)
+        return found
+    return []
+
+
+def _ttl(mark: Any) -> str:
+    return "1h" if isinstance(mark, dict) and mark.get("ttl") == "1h" else "5m"
 
 
 class Anthropic:
@@ -312,11 +319,16 @@ class Anthropic:
             else:
                 blocks = []
             if cache_control:
-                used = (_count_breakpoints(body.get("tools")) + _count_breakpoints(blocks)
-                        + _count_breakpoints(new["messages"]))
-                if used < 4:
+                # Anthropic takes at most 4 breakpoints, the request's top-level one (automatic
+                # caching, at the end) counted, and a 1-hour one never after a 5-minute one.
+                before = _breakpoints(body.get("tools")) + _breakpoints(blocks)
+                after = _breakpoints(new["messages"])
+                if body.get("cache_control") is not None:
+                    after.append(_ttl(body["cache_control"]))
+                long = "1h" in after
+                if len(before) + len(after) < 4 and not (long and "5m" in before):
                     # After the summary: the client's system, state and summary are one cached prefix.
-                    injected[-1]["cache_control"] = {"type": "ephemeral"}
+                    injected[-1]["cache_control"] = {"type": "ephemeral", **({"ttl": "1h"} if long else {})}
             new["system"] = blocks + injected
         return new
 
