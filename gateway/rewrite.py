@@ -450,6 +450,10 @@ def _layers(inputs: Inputs) -> _Layers:
 
     lay = layout(start)
     forced = size(lay) > context_budget
+    if forced and fallback is not None and original <= context_budget:
+        # The layers outgrow the context while the history fits it (an edited summary far longer than
+        # what it covers): cutting the window to make room for them would forward less than the client sent.
+        return _Layers(replace(fallback, reason=NO_SAVING))
     if forced:
         lay = _fit(start, [s for s in starts if s > start], layout, size, context_budget)
 

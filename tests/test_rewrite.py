@@ -340,6 +340,18 @@ def test_hard_budget_drops_the_head_then_the_state_then_the_summary() -> None:
     assert nothing.head == [] and nothing.state_block == "" and nothing.summary_block == ""
 
 
+def test_layers_that_outgrow_the_context_never_push_out_a_history_that_fits() -> None:
+    """A summary far longer than the turns it covers (an edit) would leave room for only the newest
+    turn; the history fits the context, so it goes as the client sent it."""
+    ts = turns(oa, [*chat(4), {"role": "user", "content": "q"}])
+    huge = "words " * 400
+    p = plan_for(ts, cov=4, summary=huge, budget=200, full_known=True)
+    assert p.kind == "full" and p.reason == rewrite.NO_SAVING and p.window == [t.raw for t in ts]
+    # Over the context, the hard budget still cuts (here down to the newest turn without the summary).
+    cut = plan_for(ts, cov=4, summary=huge, budget=60)
+    assert cut.kind == "rewritten" and cut.urgent_fold and cut.window == [ts[-1].raw]
+
+
 def test_agent_loop_without_user_turns_starts_at_a_clean_cut() -> None:
     """A tail with no user message (one long tool loop) still gets a window that keeps groups whole."""
     raws = [{"role": "user", "content": "task"}]
