@@ -20,6 +20,7 @@ import os
 import re
 import tempfile
 import threading
+from collections import OrderedDict
 
 import tiktoken
 
@@ -161,7 +162,10 @@ class TokenCounter:
         # Counts keyed by hash((encoding, hash(text), len(text))): system prompts, tool definitions,
         # excerpts and their headers come back on every request; the key holds no copy of the text
         # (one int: a 64-bit collision among the entries kept is as unlikely as one of hash(text)).
-        self._counts: dict[int, int] = {}
+        # Ordered: evicting the oldest of a plain dict with `pop(next(iter(d)))` walks the deleted
+        # slots at its front, so each eviction cost up to the whole dict (a request bringing 200,000
+        # new messages held the event loop for 17-22 s).
+        self._counts: OrderedDict[int, int] = OrderedDict()
 
     def model_key(self, model: str | None) -> str:
         """The configured model name that applies (exact, else longest prefix, else "default")."""
@@ -200,9 +204,9 @@ class TokenCounter:
             counts = self._counts
             if len(counts) >= _COUNT_CACHE_SIZE:
                 # Oldest first (insertion order). Folds count in a worker thread while requests
-                # count on the loop: the other thread may have evicted that key (or emptied the dict).
-                with contextlib.suppress(KeyError, RuntimeError, StopIteration):
-                    counts.pop(next(iter(counts)))
+                # count on the loop: the other thread may have emptied it.
+                with contextlib.suppress(KeyError):
+                    counts.popitem(last=False)
             counts[key] = n
         return n
 

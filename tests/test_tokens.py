@@ -141,6 +141,20 @@ def test_long_text_count_is_cached_and_exact() -> None:
     assert len(counter._counts) == 1
 
 
+def test_the_count_cache_stays_bounded_and_evicts_the_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its size the cache drops its oldest counts, one per new text, and keeps the newest: counting
+    many new messages evicts at a constant cost each (a plain dict's front deletions made each eviction
+    walk every deleted slot before it)."""
+    monkeypatch.setattr(tokens, "_COUNT_CACHE_SIZE", 100)
+    counter = TokenCounter(MODELS)
+    for i in range(1000):
+        counter.count(f"message {i}")
+    assert len(counter._counts) == 100
+    enc = counter.encoding()
+    kept = {hash((enc.name, hash(f"message {i}"), len(f"message {i}"))) for i in range(900, 1000)}
+    assert set(counter._counts) == kept
+
+
 def test_calibration_is_a_clamped_ema_per_model() -> None:
     """calibrate() moves the model's factor towards reported/estimated, clamped to 0.5..2.0."""
     counter = TokenCounter(MODELS)
