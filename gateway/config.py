@@ -199,6 +199,10 @@ class MemorySettings(_Strict):
     enabled: bool = True
     message_threshold: int = Field(30, ge=1)
     token_threshold: int = Field(8000, ge=1)
+    # A request with more messages than this is relayed unchanged and not stored (reason
+    # `too-many-messages`): each message costs the event loop some microseconds to check, count and
+    # store, so one import of hundreds of thousands would stall every other request for seconds.
+    max_messages: int = Field(20_000, ge=1)
     keep_recent: int = Field(10, ge=1)
     keep_initial: int = Field(0, ge=0)
     fold_batch: int = Field(10, ge=1)

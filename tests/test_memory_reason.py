@@ -7,6 +7,7 @@ from typing import Any
 from tests.memory_helpers import (
     Gateway,
     gw,  # noqa: F401 (fixture)
+    memory_gateway,
     openai_turn,
     store_url,  # noqa: F401 (fixture)
     user_text,
@@ -30,3 +31,21 @@ async def test_each_decision_names_its_reason(gw: Gateway) -> None:  # noqa: F81
         model="gpt-test", messages=[*history, {"role": "user", "content": "and now?"}],
         extra_headers={"X-Conversation-Id": "why", "X-Memory": "off"})
     assert (raw.headers["x-gateway-context"], raw.headers["x-gateway-reason"]) == ("passthrough", "memory-off")
+
+
+async def test_a_request_over_max_messages_is_relayed_and_not_stored(redis_url: str) -> None:
+    """More messages than memory.max_messages: the body goes upstream as sent, the answer comes back,
+    the reason says why, and nothing is stored (processing them would hold the event loop)."""
+    async with memory_gateway(redis_url, memory={"max_messages": 40}) as g:
+        client = g.openai()
+        many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(41)]
+        raw = await client.chat.completions.with_raw_response.create(
+            model="gpt-test", messages=many, extra_headers={"X-Conversation-Id": "import"})
+        assert raw.parse().choices[0].message.content
+        assert (raw.headers["x-gateway-context"], raw.headers["x-gateway-reason"]) == ("passthrough",
+                                                                                       "too-many-messages")
+        assert g.last("/chat/completions").body["messages"] == many
+        assert (await g.api("GET", "import"))[0] == 404
+        headers, _ = await openai_turn(g, client, "import", many[:40])  # at the limit: kept as usual
+        assert headers["x-gateway-reason"] != "too-many-messages"
+        assert (await g.api("GET", "import"))[1]["messages"] == 41
