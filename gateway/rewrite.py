@@ -40,7 +40,7 @@ OVER_BUDGET = "over-window"  # rewritten, and the window cut to fit the context 
 NO_SAVING = "no-saving"  # the rewrite would not be smaller: the full history goes
 CHEAPER_CACHED = "cheaper-cached"  # the full history costs less with the provider's prompt cache
 NO_CLEAN_CUT = "no-clean-cut"  # the history opens inside a tool group: only the whole body is valid
-TOO_LARGE = "too-large"  # the newest turn alone does not fit: the request is refused
+TOO_LARGE = "too-large"  # the newest turn alone does not fit: a whole request goes as sent, a delta one is refused
 # Not the plan's: no plan was made (memory.py).
 MEMORY_OFF = "memory-off"  # X-Memory: off, or memory.enabled false
 NOT_REWRITABLE = "not-rewritable"  # no history the gateway can rewrite (e.g. Responses with previous_response_id)
@@ -245,7 +245,7 @@ class Outcome:
 
     @property
     def refused(self) -> bool:
-        return self.plan.reason == TOO_LARGE
+        return self.forwarded is None
 
 
 @dataclass(slots=True)
@@ -295,7 +295,16 @@ class Draft:
         inp, layers = self._inputs, self._layers
         plan = layers.finish(picked) if self.wants is not None and layers.finish is not None else layers.plan
         if plan.tokens_forwarded > inp.context_budget:
-            return Outcome(replace(plan, reason=TOO_LARGE), None)
+            if not inp.whole:
+                return Outcome(replace(plan, reason=TOO_LARGE), None)  # the store alone has the rest
+            # Past the gateway's budget (budget_ratio of the window, less the output) even when cut to
+            # the newest turn: the client's own request goes as it came, for the provider to judge.
+            h = inp.history
+            whole = Plan(kind="full", state_block="", summary_block="", head=[], omitted_marker="",
+                         window=[t.raw for t in h.tail], excerpts_block="", tokens_original=plan.tokens_original,
+                         tokens_forwarded=plan.tokens_original, reason=TOO_LARGE)
+            return Outcome(whole, cost.full_record((inp.system_hash, inp.system_tokens), inp.chains, h.total_tokens,
+                                                   h.tail[-1].tokens if h.tail else 0, inp.now))
         items = _rewrite_items(inp, plan) if plan.kind == "rewritten" else None
         rate = inp.last.excerpt_rate if inp.last is not None else None
         block = items[2] - inp.new_tokens if items is not None and plan.excerpts_block else 0
@@ -331,7 +340,8 @@ def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
     (tail_start == 0 or the head reaches the tail), and plan.window then holds all of it, so a delta
     client's request can be rendered from it. kind "rewritten": render the plan. A plan whose
     reason is TOO_LARGE costs more than the context budget even with the newest turn alone: the
-    caller refuses the request rather than send it.
+    caller sends the client's own request instead (a delta client's is refused: the rest of its
+    history is the store's).
 
     kept: the same request on the layers the provider has cached (a finished fold not applied
     yet), planned instead of `inputs` when `keep_layers` says so.

@@ -49,3 +49,17 @@ async def test_a_request_over_max_messages_is_relayed_and_not_stored(redis_url: 
         headers, _ = await openai_turn(g, client, "import", many[:40])  # at the limit: kept as usual
         assert headers["x-gateway-reason"] != "too-many-messages"
         assert (await g.api("GET", "import"))[1]["messages"] == 41
+
+
+async def test_a_turn_over_the_gateways_budget_goes_to_the_provider_as_sent(redis_url: str) -> None:
+    """A newest turn over the gateway's budget (budget_ratio x the window, less max output) is not
+    refused: the client's own request goes upstream as sent, marked too-large, and is stored."""
+    async with memory_gateway(redis_url, models={"gpt-test": {"context_window": 2000}}) as g:
+        client = g.openai()
+        big = [{"role": "user", "content": "lorem ipsum dolor " * 400}]  # ~1,200 tokens; budget 1600 - 500
+        raw = await client.chat.completions.with_raw_response.create(
+            model="gpt-test", messages=big, max_tokens=500, extra_headers={"X-Conversation-Id": "big-turn"})
+        assert raw.parse().choices[0].message.content
+        assert (raw.headers["x-gateway-context"], raw.headers["x-gateway-reason"]) == ("full", "too-large")
+        assert g.last("/chat/completions").body["messages"] == big
+        assert (await g.api("GET", "big-turn"))[1]["messages"] == 2

@@ -309,10 +309,10 @@ def test_hard_budget_drops_oldest_window_groups_and_marks_them() -> None:
 
 def test_the_newest_turn_is_never_split_or_dropped() -> None:
     """Even when the newest turn alone overflows, it goes whole, without other layers, and the plan
-    says so by costing more than the budget."""
+    says so by costing more than the budget (a delta client's: a whole client's own body goes instead)."""
     raws = [*chat(3), {"role": "user", "content": "do it"}, call(["a", "b"]), result("a"), result("b")]
     ts = turns(oa, raws)
-    p = plan_for(ts, cov=2, budget=20, state="- x")
+    p = plan_for(ts, cov=2, budget=20, state="- x", cost_inputs={"whole": False})
     assert p.window == raws[6:] and p.head == []
     assert p.state_block == "" and p.summary_block == ""
     assert p.tokens_forwarded > 20 and p.urgent_fold
@@ -338,6 +338,23 @@ def test_hard_budget_drops_the_head_then_the_state_then_the_summary() -> None:
 
     nothing = plan_for(ts, cov=4, state="- use Redis", keep_initial=2, budget=rest)
     assert nothing.head == [] and nothing.state_block == "" and nothing.summary_block == ""
+
+
+def test_a_turn_too_large_for_the_budget_goes_as_sent_unless_the_client_sends_deltas() -> None:
+    """Over the gateway's budget even when cut to the newest turn: a client that sent its whole history
+    has its own request forwarded (the provider may take what the gateway's margin does not); a delta
+    client's request is refused, since the rest of its history is only in the store."""
+    ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
+    settings = MemorySettings.model_validate({"message_threshold": 4, "keep_recent": 2})
+    history = History(head=[], tail=ts[2:], tail_start=2, total_messages=len(ts),
+                      total_tokens=sum(t.tokens for t in ts), summary=Summary("s", 2, 1, 1))
+    for whole in (True, False):
+        inputs = Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
+                        settings=settings, context_budget=10, count=count, whole=whole)
+        outcome = rewrite.plan(inputs).finish()
+        assert outcome.plan.reason == rewrite.TOO_LARGE and outcome.refused is not whole
+        if whole:
+            assert outcome.plan.kind == "full" and outcome.forwarded is not None and outcome.forwarded.full
 
 
 def test_layers_that_outgrow_the_context_never_push_out_a_history_that_fits() -> None:
@@ -381,7 +398,8 @@ def test_every_plan_says_why_it_is_what_it_is() -> None:
     assert plan_for(ts).reason == rewrite.NO_SAVING
     assert plan_for(ts, cov=6).reason == rewrite.REWRITTEN
     assert plan_for(ts, cov=2, budget=60).reason == rewrite.OVER_BUDGET
-    assert plan_for(ts, cov=2, budget=10).reason == rewrite.TOO_LARGE
+    too_large = plan_for(ts, cov=2, budget=10)
+    assert too_large.reason == rewrite.TOO_LARGE and too_large.kind == "full"  # the client's body goes as sent
     loose = turns(oa, [result("x"), result("y")])
     p = build(oa, head=[], tail=loose, tail_start=3, total_messages=5, total_tokens=500, system_tokens=0,
               summary=Summary(text="s", covers=3, version=1, tokens=1), state_block="", state_tokens=0,
