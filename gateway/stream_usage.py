@@ -5,12 +5,14 @@ and the OpenAI SDK does not set it by default: such streams were counted as 0 in
 request that names a conversation (one without is forwarded byte for byte) the gateway asks for it
 on the client's behalf (`ask_for_usage`, the body's other bytes unchanged)
 and removes the usage-only frame (`"choices": []`) from what the client receives, since a client
-that did not ask may index `choices[0]` of every chunk. The frame it removes, or the one the client
-asked for, is where the usage is read from (`UsageTap.usage`).
+that did not ask may index `choices[0]` of every chunk, and the `"usage":null` that OpenAI then adds
+to every other chunk: the client gets the stream it would have had without the gateway. The frame
+it removes, or the one the client asked for, is where the usage is read from (`UsageTap.usage`).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -18,6 +20,9 @@ import orjson
 from gateway.model import Usage
 
 MAX_PENDING = 1 << 20  # bytes of an unfinished frame held back; past it, relayed as is
+# The member include_usage adds to every chunk before the last. Inside a JSON string its quotes would
+# be escaped (preceded by a backslash), so this matches the member only.
+_NULL_USAGE = re.compile(rb',[ \t]*"usage"[ \t]*:[ \t]*null(?=[ \t]*[,}])')
 
 
 def ask_for_usage(body: dict[str, Any], raw: bytes) -> bytes | None:
@@ -64,6 +69,8 @@ class UsageTap:
             return b""
         self._pending = data[end + 2:]
         frames = data[:end + 2]
+        if self.strip:
+            frames = _NULL_USAGE.sub(b"", frames)
         if b'"choices":[]' not in frames.replace(b" ", b""):
             return frames
         out = []

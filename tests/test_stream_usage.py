@@ -49,6 +49,7 @@ async def test_a_stream_without_include_usage_is_counted_and_relayed_as_asked(
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The answer is forty-two."
     assert all(c.choices for c in chunks)  # a client indexing choices[0] of every chunk keeps working
+    assert all("usage" not in c.model_dump(exclude_unset=True) for c in chunks)  # as if never asked
     sent = fake.requests[-1].body
     assert sent["stream_options"] == {"include_usage": True} and sent["messages"] == MESSAGES
     prompt = max(1, len(fake.requests[-1].raw) // 4)  # what the fake upstream reports as prompt_tokens
@@ -89,7 +90,8 @@ def test_usage_tap_reads_and_strips_a_usage_frame_split_across_chunks() -> None:
     stream = frame + usage + b"data: [DONE]\n\n"
     tap = UsageTap(strip=True)
     out = b"".join(tap.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + tap.flush()
-    assert out == frame + b"data: [DONE]\n\n"
+    # Also without the "usage":null that include_usage added: the chunk as it would have come.
+    assert out == frame.replace(b',"usage":null', b"") + b"data: [DONE]\n\n"
     assert tap.usage is not None and (tap.usage.input_tokens, tap.usage.output_tokens,
                                       tap.usage.cache_read_tokens) == (12, 3, 5)
     keep = UsageTap(strip=False)
