@@ -53,6 +53,7 @@ import math
 import re
 import struct
 import sys
+import unicodedata
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,6 +120,11 @@ class RankingParams:
 # --------------------------------------------------------------------------------------------- text
 
 _WORD_RE = re.compile(r"[a-z0-9]+")
+# Text with other scripts: words of any script's letters and digits, accents folded ("München" and
+# "Munchen" meet), and Chinese and Japanese (written without spaces) as overlapping character pairs.
+_UNICODE_WORD_RE = re.compile(r"[^\W_]+")
+_MARKS_RE = re.compile(r"[\u0300-\u036f]+")  # combining accents, as NFKD splits them off
+_CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 # "[2023/08/11 (Fri) 15:58] " as LongMemEval-style clients stamp a session's first message.
 _STAMP_RE = re.compile(
     r"^\s*\[(\d{4})[/-](\d{1,2})[/-](\d{1,2})(?:\s*\(\w+\))?(?:[ T](\d{1,2}):(\d{2})(?::\d{2})?)?\]\s*"
@@ -181,7 +187,8 @@ def _stem(word: str) -> str:
 
 
 def _words(text: str, p: RankingParams, *, query: bool = False) -> list[str]:
-    words = _WORD_RE.findall(text.lower().replace("'", "").replace("’", ""))
+    low = text.lower().replace("'", "").replace("’", "")
+    words = _WORD_RE.findall(low) if low.isascii() else _unicode_words(low)
     if p.stop_words:
         words = [w for w in words if w not in _STOP]
     if query and p.meta_stop:
@@ -189,6 +196,25 @@ def _words(text: str, p: RankingParams, *, query: bool = False) -> list[str]:
     if p.stem:
         return [_stem(w) for w in words]
     return [sys.intern(w) for w in words]
+
+
+def _unicode_words(low: str) -> list[str]:
+    folded = _MARKS_RE.sub("", unicodedata.normalize("NFKD", low))
+    words: list[str] = []
+    for word in _UNICODE_WORD_RE.findall(folded):
+        if not _CJK_RE.search(word):
+            words.append(word)
+            continue
+        at = 0
+        for run in _CJK_RE.finditer(word):
+            if run.start() > at:
+                words.append(word[at:run.start()])
+            han = run.group()
+            words += [han] if len(han) == 1 else [han[i:i + 2] for i in range(len(han) - 1)]
+            at = run.end()
+        if at < len(word):
+            words.append(word[at:])
+    return words
 
 
 # --------------------------------------------------------------------------------------------- time

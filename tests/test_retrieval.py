@@ -46,6 +46,20 @@ def test_planted_message_ranks_first() -> None:
     assert max(hits, key=lambda e: e.score).index == 24
 
 
+@pytest.mark.parametrize(("planted", "query"), [
+    ("Мы используем базу данных PostgreSQL для счетов.", "Какую базу данных мы используем?"),
+    ("服务器部署在东京区域，每天备份一次。", "服务器在哪个区域？东京吗"),
+    ("Τα ελληνικά κείμενα αποθηκεύονται στο S3.", "Πού αποθηκεύονται τα κείμενα;"),
+    ("Our office moved to München last spring.", "Munchen?"),
+])
+def test_text_in_any_script_is_found(planted: str, query: str) -> None:
+    """Words of every script are indexed (they were dropped: only a-z and 0-9 counted), accents fold,
+    and Chinese or Japanese, written without spaces, match by overlapping character pairs."""
+    msgs = _conversation(40, plant={17: planted})
+    hits = _index(msgs).search(query, budget_tokens=10_000)
+    assert hits and max(hits, key=lambda e: e.score).index == 17
+
+
 def test_budget_never_exceeded_and_only_whole_messages() -> None:
     """Returned token counts sum to at most the budget; an oversized match is skipped for smaller ones."""
     rng = random.Random(7)
