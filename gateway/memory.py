@@ -196,6 +196,10 @@ def _usage_stats(usage: Usage) -> dict[str, int]:
 TIME_HEADER = "X-Message-Time"
 
 
+def _forget_from(data: dict[str, Any], conversation: str, at: int) -> state.Ledger | None:
+    return state.forget_from(state.load(data), conversation, at)
+
+
 def _client_time(headers: Any) -> str | None:
     """The time the client gives this request's new turns (`X-Message-Time`, ISO 8601: a replay
     or an import of an older conversation), as UTC `YYYY-MM-DDTHH:MM:SS`; None when not sent."""
@@ -616,7 +620,7 @@ class Memory:
             stats = {}  # added by the call, stored or not
             if result.ok:
                 if result.appended and decision.action in ("branch", "prefix"):
-                    self.caches.recall.truncate(conv_key(ref), decision.base)
+                    await self._branched(ref, decision.base)
                 await self._maybe_fold(req, result.length, turns, urgent=False)
                 return
         raise _Contended(f"the conversation moved on under {RECORD_ATTEMPTS} attempts to record")
@@ -725,7 +729,7 @@ class Memory:
                 self.tokens.calibrate(req.model, plan.tokens_forwarded, usage.input_tokens)
             length = result.length if result is not None else view.length
             if result is not None and result.appended and decision.action in ("branch", "prefix"):
-                self.caches.recall.truncate(conv_key(ref), decision.base)
+                await self._branched(ref, decision.base)
             await self._maybe_fold(req, length, turns, urgent=bool(plan and plan.urgent_fold))
         except StoreUnavailable as exc:
             self.caches.views.drop(ref)
@@ -749,6 +753,28 @@ class Memory:
         again.plan, again.summarizer_charge, again.arrived = req.plan, req.summarizer_charge, req.arrived
         turns = [*again.new_messages, *reply]
         return again, turns, await self._store_turns(again, reply, turns, None)
+
+    async def _branched(self, ref: ConvRef, at: int) -> None:
+        """Turns from `at` on were moved aside (an edit, a regenerate): the retrieval index forgets
+        them, and so does the conversation's own state (a project's shared ledger cannot tell its
+        conversations' positions apart, and keeps what it read). Best effort, by CAS."""
+        self.caches.recall.truncate(conv_key(ref), at)
+        if ref.project:
+            return
+        try:
+            for _ in range(3):
+                data, version = await self.store.get_state(ref)
+                if data is None:
+                    return
+                ledger = await asyncio.to_thread(_forget_from, data, ref.conversation, at)
+                if ledger is None:
+                    return
+                if await self.store.put_state(ref, ledger.dump(), expect_version=version):
+                    with contextlib.suppress(StoreUnavailable):
+                        await self.store.announce(ref, "folded")
+                    return
+        except StoreUnavailable as exc:
+            log.warning("memory.branch_state_failed", conversation=ref.conversation, error=type(exc).__name__)
 
     async def _read_state(self, req: _Request, length: int) -> None:
         """Read a conversation too short to fold into its state, every few turns (folds do it later):

@@ -808,5 +808,25 @@ def unmarked(ledger: Ledger, conversation: str) -> Ledger:
     return out
 
 
+def forget_from(ledger: Ledger, conversation: str, at: int) -> Ledger | None:
+    """A copy of a conversation's own ledger without what extraction took from its messages `at`
+    onwards (a branch moved them aside): those items go, the items they had replaced are current
+    again, and the read mark goes back to `at`; None when nothing changes. Items set through the API
+    stay. Not for a project's shared ledger: its sources are positions in several conversations."""
+    gone = {i.id for _, i in ledger.all_items() if not i.edited and i.source is not None and i.source >= at}
+    if not gone and ledger.marks.get(conversation, 0) <= at:
+        return None
+    out = copy_ledger(ledger)
+    for kind in KINDS:
+        kept = [i for i in out.items(kind) if i.id not in gone]
+        for item in kept:
+            if item.superseded_by in gone:
+                item.superseded_by = None
+        setattr(out, kind, kept)
+    if out.marks.get(conversation, 0) > at:
+        out.marks[conversation] = at
+    return out
+
+
 def load(data: dict | None) -> Ledger:
     return Ledger.model_validate(data) if data else Ledger()

@@ -131,3 +131,32 @@ async def test_concurrent_writers_on_one_conversation_lose_and_repeat_nothing(re
             histories.append([d["message"]["content"] for d in page["data"] if d["role"] == "user"])
         assert set(sent) <= {t for h in histories for t in h}
         assert [h for h in histories if len(h) != len(set(h))] == []
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_an_edit_takes_what_the_abandoned_turns_stated_out_of_the_state(gw: Gateway,  # noqa: F811
+                                                                             dialect: str) -> None:
+    """Decisions stated only in turns an edit moved aside are no longer forwarded as project state
+    (they came back in every rewritten request of the new branch); the ones before the edit stay."""
+    g = gw
+    g.fake.responder = reply_text
+    chat, msgs = Chat(g, dialect, "edited-state"), []
+    for i in range(14):
+        msgs.append({"role": "user", "content": f"We decided to use the codename SECRET{i}x. {user_text(i)}"})
+        _, text = await chat.send(msgs)
+        msgs.append({"role": "assistant", "content": text})
+        await g.settle()
+    assert any(f"SECRET{i}x" in chat.injected() for i in range(2, 14))  # in the state or the summary
+    edited = [*msgs[:4], {"role": "user", "content": "Actually, let us start over on the naming."}]
+    for i in range(8):
+        _, text = await chat.send(edited)
+        edited.append({"role": "assistant", "content": text})
+        edited.append({"role": "user", "content": f"Follow-up {i}, nothing decided yet. {user_text(i)}"})
+        await g.settle()
+    headers, _ = await chat.send(edited)
+    assert headers["x-gateway-context"] == "rewritten"
+    injected = chat.injected()
+    assert "SECRET0x" in injected or "SECRET1x" in injected  # stated before the edit: kept
+    assert not any(f"SECRET{i}x" in injected for i in range(2, 14))
+    _, info = await g.api("GET", "edited-state")
+    assert not any(f"SECRET{i}x" in info["state_rendered"] for i in range(2, 14))

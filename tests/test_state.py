@@ -132,6 +132,23 @@ def test_llm_update_applies_with_replaces() -> None:
     assert ledger.decisions[0].superseded_by is None  # the input is not mutated
 
 
+def test_a_branch_forgets_what_its_abandoned_turns_said() -> None:
+    """forget_from(at) drops the items extracted from messages at or after `at`, makes the items they
+    had replaced current again, moves the read mark back, and keeps what was set through the API."""
+    ledger = state.extract(state.Ledger(), [turn("user", "We decided to use MySQL.")], 0)
+    ledger = state.extract(ledger, [turn("user", "We decided to use PostgreSQL 16 instead of MySQL.")], 6)
+    ledger = state.apply_edits(ledger, {"constraints": ["Never log API keys"]}, time="2024-01-01T00:00:00")
+    ledger = state.marked(ledger, "c1", 9)
+    assert [i.text for i in ledger.active("decisions")] == ["We decided to use PostgreSQL 16 instead of MySQL."]
+    out = state.forget_from(ledger, "c1", 4)
+    assert out is not None and out is not ledger
+    assert [i.text for i in out.active("decisions")] == ["We decided to use MySQL."]
+    assert all("PostgreSQL" not in i.text for _, i in out.all_items())
+    assert [i.text for i in out.active("constraints")] == ["Never log API keys"]
+    assert out.marks["c1"] == 4 and ledger.marks["c1"] == 9  # the input is not mutated
+    assert state.forget_from(out, "c1", 4) is None  # nothing left to forget
+
+
 def test_render_order_budget_and_determinism() -> None:
     """Render puts goal and constraints first, newest first, leaves superseded out, fits its budget, same bytes."""
     ledger = state.Ledger()
