@@ -104,6 +104,8 @@ async def test_dashboard_shows_savings_and_a_state_edit_reaches_the_next_request
     await page.fill("#state-decisions", decisions + "\n" + DECISION)
     await page.click("#save-state")
     await page.locator("#status", has_text="State saved").wait_for()  # the CSP forbids evaluated strings
+    # Its last request was rewritten, so the next one carries the edit (one sent whole would not).
+    assert "the next request of this conversation carries it" in await page.locator("#status").inner_text()
     await _shot(page, "dashboard-conversation.png")
     assert foreign == [] and errors == []
 

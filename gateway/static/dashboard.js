@@ -114,6 +114,16 @@ function drawChart(series) {
   svg.dataset.points = String(pts.length);
 }
 
+// Whether the next request carries an edit: only a rewritten request holds state and summary; one sent
+// whole (under the thresholds, or cheaper with the provider's cache) goes as the client sent it.
+function carried() {
+  const last = current && current.last;
+  return last && last.context === "rewritten"
+    ? "the next request of this conversation carries it."
+    : "it goes into this conversation's requests once they are rewritten (its last one was sent "
+      + (last ? last.context + (last.reason ? ", " + last.reason : "") : "whole") + ").";
+}
+
 function decision(last) {
   if (!last) return el("span", { class: "muted" }, "–");
   const tag = el("span", { class: "tag " + last.context }, last.context);
@@ -178,7 +188,7 @@ async function openConversation(id, tenant) {
   if (document.body.classList.contains("admin")) session.tenant = tenant;
   try {
     const c = await api(`/gateway/conversations/${encodeURIComponent(id)}`);
-    current = { id, tenant, state: {} };
+    current = { id, tenant, state: {}, last: c.last };
     $("conv-status").textContent = "";
     $("conv-id").textContent = id;
     const s = c.stats || {};
@@ -258,7 +268,7 @@ function wire() {
   $("close").addEventListener("click", () => { $("conversation").hidden = true; current = null; });
   $("save-summary").addEventListener("click", () => act("Saving the summary", async () => {
     await api(convPath() + "/summary", "PUT", { text: $("summary").value });
-    return "Summary saved: the next request of this conversation carries it.";
+    return "Summary saved: " + carried();
   }));
   $("save-state").addEventListener("click", () => act("Saving the state", async () => {
     const edits = {};
@@ -269,7 +279,7 @@ function wire() {
     if (!Object.keys(edits).length) return "Nothing changed in the state.";
     await api(convPath() + "/state", "PUT", edits);
     for (const k of Object.keys(edits)) current.state[k] = $("state-" + k).value;
-    return "State saved (" + Object.keys(edits).join(", ") + "): the next request of this conversation carries it.";
+    return "State saved (" + Object.keys(edits).join(", ") + "): " + carried();
   }));
   $("fold").addEventListener("click", () => act("Folding", async () => {
     const r = await api(convPath() + "/fold", "POST");
