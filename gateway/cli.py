@@ -190,11 +190,18 @@ def parser() -> argparse.ArgumentParser:
     st.set_defaults(run=_command(savings))
 
     d = sub.add_parser("demo", help="offline tour against a simulated upstream")
-    d.add_argument("--turns", type=int, default=None, help="conversation length")
+    d.add_argument("--turns", type=_positive, default=None, help="conversation length (at least 1)")
     d.add_argument("--serve", action="store_true", help="keep the gateway running afterwards, for the dashboard")
     d.add_argument("--port", type=int, default=None, help="with --serve: the gateway's port (default 8080)")
     d.set_defaults(run=_command(demo))
     return p
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,3 +37,13 @@ def test_demo_piped_into_head_ends_quietly() -> None:
                           shell=True, capture_output=True, text=True, timeout=120, check=False)
     assert proc.stdout.count("\n") == 2
     assert proc.stderr == ""
+
+
+@pytest.mark.parametrize("turns", ["0", "-3", "x"])
+def test_demo_refuses_a_length_that_is_not_a_positive_number(turns: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--turns 0` ran the default 100 turns and `--turns -3` printed an empty table: both are usage errors."""
+    from gateway import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo", "--turns", turns])
+    assert stop.value.code == 2 and "--turns" in capsys.readouterr().err
