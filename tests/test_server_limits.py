@@ -107,6 +107,16 @@ async def test_a_stalled_body_is_a_408_in_the_callers_dialect(path: str, anthrop
         assert (err["type"] == "error") if anthropic else ("message" in err["error"])
 
 
+async def test_a_long_request_line_reaches_the_routes() -> None:
+    """A request line past aiohttp's default 8,190 bytes (GET …/search?q= with 1,000 percent-encoded
+    non-Latin characters is about 9-12 KB) is routed, not answered with aiohttp's plain-text 400."""
+    async with limited() as (host, port), aiohttp.ClientSession() as http:
+        query = "東" * 1000  # 9 bytes each once percent-encoded
+        async with http.get(f"http://{host}:{port}/healthz", params={"q": query},
+                            headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 200, await r.text()
+
+
 async def test_a_chunked_request_does_not_exempt_the_next_head_from_the_deadline() -> None:
     """After a chunked request is answered on a keep-alive connection, a slow next head is still cut."""
     async with limited(header_timeout_seconds=1.0, keepalive_timeout_seconds=60) as (host, port):
