@@ -571,8 +571,15 @@ class Memory:
         busy = isinstance(exc, StoreBusy)
         log.warning("memory.degraded", conversation=ref.conversation, error=type(exc).__name__)
         model = dialect.model(call.body)
-        tokens = sum(self.tokens.count_message(dialect.text(m), model) for m in history)
-        tokens += self.blocks.system_tokens(dialect.system_text(call.body), model)
+        history_tokens = sum(self.tokens.count_message(dialect.text(m), model) for m in history)
+        system_text = dialect.system_text(call.body)
+        system = (_digest(system_text), self.blocks.system_tokens(system_text, model))
+        tokens = history_tokens + system[1]
+        # Sent as it came: the bill of the client's own request, its previous one in the cache when known.
+        billed = round(cost.billed_full(system, history_tokens, chains, self.caches.originals.get(conv_key(ref)),
+                                        self.clock(), self.prices(model, dialect, call.raw),
+                                        cacheable=dialect.caches_full_history(call.raw)))
+        window = self.settings.model(model).context_window
         sent = when or _now()  # the client's time (X-Message-Time) when it gave one, as for a stored turn
 
         def on_success(items: list[dict[str, Any]], usage: Usage) -> Coroutine[Any, Any, None]:
@@ -584,7 +591,9 @@ class Memory:
         return Prepared(body=None, on_success=on_success, headers={
             "x-gateway-context": "degraded", "x-gateway-reason": STORE_BUSY if busy else rewrite.DEGRADED,
             "x-gateway-tokens-original": str(tokens),
-            "x-gateway-tokens-forwarded": str(tokens), "x-gateway-tokens-saved": "0"})
+            "x-gateway-tokens-forwarded": str(tokens), "x-gateway-tokens-saved": "0",
+            "x-gateway-cost-original": str(billed), "x-gateway-cost-forwarded": str(billed),
+            "x-gateway-window-used": f"{tokens / window if window else 0.0:.3f}"})
 
     async def _defer(self, late: _Late, exc: BaseException) -> None:
         """Queue `late` to be stored when the store accepts it."""

@@ -57,6 +57,9 @@ async def test_store_outage_degrades_then_memory_resumes(redis_process: RedisPro
             body: dict[str, Any] = g.last(chat.path).body
             assert plain(chat.forwarded()) == msgs and "Summary" not in str(body)
             assert int(headers["x-gateway-tokens-saved"]) == 0
+            # The full set of headers, as on every request that names a conversation: sent as it came.
+            assert headers["x-gateway-cost-original"] == headers["x-gateway-cost-forwarded"]
+            assert int(headers["x-gateway-cost-original"]) > 0 and 0 < float(headers["x-gateway-window-used"]) < 1
             msgs.append({"role": "assistant", "content": text})
         raw = (b'{"model": "gpt-test",  "messages": [{"role": "user", "content": "caf\\u00e9"}],\n'
                b' "temperature": 0.50}')
