@@ -40,7 +40,7 @@ OVER_BUDGET = "over-window"  # rewritten, and the window cut to fit the context 
 NO_SAVING = "no-saving"  # the rewrite would not be smaller: the full history goes
 CHEAPER_CACHED = "cheaper-cached"  # the full history costs less with the provider's prompt cache
 NO_CLEAN_CUT = "no-clean-cut"  # the history opens inside a tool group: only the whole body is valid
-TOO_LARGE = "too-large"  # the newest turn alone does not fit: a whole request goes as sent, a delta one is refused
+TOO_LARGE = "too-large"  # the newest turn alone is over the budget: sent as it came if whole and within the window
 # Not the plan's: no plan was made (memory.py).
 MEMORY_OFF = "memory-off"  # X-Memory: off, or memory.enabled false
 NOT_REWRITABLE = "not-rewritable"  # no history the gateway can rewrite (e.g. Responses with previous_response_id)
@@ -221,6 +221,7 @@ class Inputs:
     prices: cost.Prices = cost.DEFAULT_PRICES
     raw: bytes = b""
     held_window: int = 0  # tokens of the window a held fold (keep_layers) would have summarised
+    context_window: int = 0  # the model's whole window (context_budget is the gateway's share of it); 0: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,11 +296,14 @@ class Draft:
         inp, layers = self._inputs, self._layers
         plan = layers.finish(picked) if self.wants is not None and layers.finish is not None else layers.plan
         if plan.tokens_forwarded > inp.context_budget:
-            if not inp.whole:
-                return Outcome(replace(plan, reason=TOO_LARGE), None)  # the store alone has the rest
-            # Past the gateway's budget (budget_ratio of the window, less the output) even when cut to
-            # the newest turn: the client's own request goes as it came, for the provider to judge.
             h = inp.history
+            if not inp.whole or (inp.context_window and plan.tokens_original > inp.context_window):
+                # A delta client's history is only in the store; a request over the model's whole window
+                # would only come back refused by the provider.
+                return Outcome(replace(plan, reason=TOO_LARGE), None)
+            # Past the gateway's budget (budget_ratio of the window, less the output) even when cut to
+            # the newest turn, but within the window: the client's own request goes as it came, for
+            # the provider to judge.
             whole = Plan(kind="full", state_block="", summary_block="", head=[], omitted_marker="",
                          window=[t.raw for t in h.tail], excerpts_block="", tokens_original=plan.tokens_original,
                          tokens_forwarded=plan.tokens_original, reason=TOO_LARGE)
@@ -340,8 +344,8 @@ def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
     (tail_start == 0 or the head reaches the tail), and plan.window then holds all of it, so a delta
     client's request can be rendered from it. kind "rewritten": render the plan. A plan whose
     reason is TOO_LARGE costs more than the context budget even with the newest turn alone: the
-    caller sends the client's own request instead (a delta client's is refused: the rest of its
-    history is the store's).
+    caller sends the client's own request instead, or refuses it: a delta client's (the rest of its
+    history is the store's) or one over the model's whole window (`Inputs.context_window`).
 
     kept: the same request on the layers the provider has cached (a finished fold not applied
     yet), planned instead of `inputs` when `keep_layers` says so.

@@ -342,18 +342,19 @@ def test_hard_budget_drops_the_head_then_the_state_then_the_summary() -> None:
 
 def test_a_turn_too_large_for_the_budget_goes_as_sent_unless_the_client_sends_deltas() -> None:
     """Over the gateway's budget even when cut to the newest turn: a client that sent its whole history
-    has its own request forwarded (the provider may take what the gateway's margin does not); a delta
-    client's request is refused, since the rest of its history is only in the store."""
+    has its own request forwarded when it is within the model's window (the provider may take what the
+    gateway's margin does not); a delta client's request is refused, since the rest of its history is
+    only in the store, and so is one over the model's whole window."""
     ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
     settings = MemorySettings.model_validate({"message_threshold": 4, "keep_recent": 2})
     history = History(head=[], tail=ts[2:], tail_start=2, total_messages=len(ts),
                       total_tokens=sum(t.tokens for t in ts), summary=Summary("s", 2, 1, 1))
-    for whole in (True, False):
+    for whole, window, refused in ((True, 1000, False), (False, 1000, True), (True, 50, True)):
         inputs = Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
-                        settings=settings, context_budget=10, count=count, whole=whole)
+                        settings=settings, context_budget=10, count=count, whole=whole, context_window=window)
         outcome = rewrite.plan(inputs).finish()
-        assert outcome.plan.reason == rewrite.TOO_LARGE and outcome.refused is not whole
-        if whole:
+        assert outcome.plan.reason == rewrite.TOO_LARGE and outcome.refused is refused
+        if not refused:
             assert outcome.plan.kind == "full" and outcome.forwarded is not None and outcome.forwarded.full
 
 
