@@ -291,9 +291,10 @@ class ConversationAPI:
         bad = [k for k, v in edits.items() if not (isinstance(v, str) or
                                                    (isinstance(v, list) and all(isinstance(x, str) for x in v)))]
         if unknown or bad:
+            problems = ([f"unknown kinds {unknown}"] if unknown else []) + (
+                [f"values that are not a text or a list of texts: {bad}"] if bad else [])
             raise GatewayError(400, "invalid_request_error",
-                               f"unknown kinds {unknown} / values not text or list of text {bad}; "
-                               f"kinds: {', '.join(state.KINDS)}")
+                               f"{'; '.join(problems)} (kinds: {', '.join(state.KINDS)})")
         texts = [t for v in edits.values() for t in ([v] if isinstance(v, str) else v)]
         if len(texts) > state.MAX_EDIT_ITEMS or any(len(t) > state.MAX_EDIT_CHARS for t in texts):
             raise GatewayError(400, "invalid_request_error",

@@ -35,7 +35,9 @@ async def fetch(url: str, key: str | None) -> tuple[dict[str, Any], dict[str, An
                     if r.status != 200:
                         error = body.get("error") if isinstance(body, dict) else None
                         message = error.get("message") if isinstance(error, dict) else None
-                        raise Refused(f"{url} answered {r.status}: {message or body}")
+                        hint = ("; pass the key your application uses (--key, or $GATEWAY_KEY / $OPENAI_API_KEY), "
+                                "or the admin token" if r.status == 401 else "")
+                        raise Refused(f"{url} answered {r.status}: {message or body}{hint}")
                     out.append(body)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise Refused(f"cannot reach {url} ({type(exc).__name__}: {exc}); is `gateway serve` running?") from exc

@@ -155,7 +155,8 @@ async def test_openai_sdk_conversations_reach_the_upstream(gwa: Gateway) -> None
     assert got[0].headers["Authorization"] == f"Bearer {KEY}"
 
 
-async def test_gateway_stats_prints_the_savings_table(gwa: Gateway, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_gateway_stats_prints_the_savings_table(gwa: Gateway, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`gateway stats --url --key` prints the running gateway's totals and its conversations, newest first;
     an unreachable gateway or a refused key is one line on stderr and exit 1."""
     await _talk(Chat(gwa, "openai", "table-old"), 1)
@@ -174,6 +175,10 @@ async def test_gateway_stats_prints_the_savings_table(gwa: Gateway, capsys: pyte
     assert "(all tenants)" in capsys.readouterr().out
     assert await asyncio.to_thread(cli.main, ["stats", "--url", "http://127.0.0.1:9", "--key", KEY]) == 1
     assert "cannot reach http://127.0.0.1:9" in capsys.readouterr().err
+    for name in ("GATEWAY_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert await asyncio.to_thread(cli.main, ["stats", "--url", gwa.url]) == 1
+    assert "answered 401" in (err := capsys.readouterr().err) and "--key" in err  # says what to pass
 
 
 async def test_plain_gateway_keys_that_end_alike_are_different_tenants(redis_url: str) -> None:
