@@ -80,13 +80,13 @@ class Clock:
 
 
 async def talk(g: Gateway, chat: Chat, msgs: list[dict[str, Any]], turns: int, clock: Clock,
-               step: float = 20.0) -> list[Any]:
+               step: float = 20.0, model: str = "gpt-5") -> list[Any]:
     """`turns` more turns of short messages, `step` seconds apart; each response's headers."""
     seen = []
     for _ in range(turns):
         clock.now += step
         msgs.append({"role": "user", "content": said(len(msgs) // 2)})
-        headers, text = await chat.send(msgs, model="gpt-5")
+        headers, text = await chat.send(msgs, model=model)
         msgs.append({"role": "assistant", "content": text})
         await g.settle()
         seen.append(headers)
@@ -251,15 +251,7 @@ async def test_an_anthropic_server_that_never_caches_is_billed_no_write_premium(
     expected bill is its tokens (it was 1.25x them, understating the saving by a fifth)."""
     async with memory_gateway("memory://", memory=MEMORY) as g:
         g.fake.responder = reply_text  # cache_read_input_tokens and cache_creation_input_tokens: 0
-        clock = Clock(g)
-        chat, msgs, seen = Chat(g, "anthropic", "no-cache-anthropic"), [], []
-        for i in range(30):
-            clock.now += 20.0
-            msgs.append({"role": "user", "content": said(i)})
-            headers, text = await chat.send(msgs, model="claude-sonnet-4-6")
-            msgs.append({"role": "assistant", "content": text})
-            await g.settle()
-            seen.append(headers)
+        seen = await talk(g, Chat(g, "anthropic", "no-cache-anthropic"), [], 30, Clock(g), model="claude-sonnet-4-6")
     last = seen[-1]
     assert last["x-gateway-context"] == "rewritten"
     original, forwarded, _ = costs(last)
