@@ -817,11 +817,22 @@ def forget_from(ledger: Ledger, conversation: str, at: int) -> Ledger | None:
     if not gone and ledger.marks.get(conversation, 0) <= at:
         return None
     out = copy_ledger(ledger)
+    # What replaced each dropped item, through any chain of dropped ones: an item they had replaced
+    # takes that over (an edit that cleared or replaced the dropped item still wins), else is current.
+    after = {i.id: i.superseded_by for _, i in out.all_items() if i.id in gone}
+
+    def successor(by: str | None) -> str | None:
+        seen: set[str] = set()
+        while by in gone and by not in seen:
+            seen.add(by)
+            by = after[by]
+        return None if by in gone else by
+
     for kind in KINDS:
         kept = [i for i in out.items(kind) if i.id not in gone]
         for item in kept:
             if item.superseded_by in gone:
-                item.superseded_by = None
+                item.superseded_by = successor(item.superseded_by)
         setattr(out, kind, kept)
     if out.marks.get(conversation, 0) > at:
         out.marks[conversation] = at

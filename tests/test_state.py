@@ -147,6 +147,11 @@ def test_a_branch_forgets_what_its_abandoned_turns_said() -> None:
     assert [i.text for i in out.active("constraints")] == ["Never log API keys"]
     assert out.marks["c1"] == 4 and ledger.marks["c1"] == 9  # the input is not mutated
     assert state.forget_from(out, "c1", 4) is None  # nothing left to forget
+    # An edit that cleared or replaced the dropped item still wins over the item it had replaced.
+    for edit in ([], ["Billing uses Oracle 19c"]):
+        edited = state.apply_edits(ledger, {"decisions": edit}, time="2024-01-02T00:00:00")
+        after = state.forget_from(edited, "c1", 4)
+        assert after is not None and [i.text for i in after.active("decisions")] == edit
 
 
 def test_render_order_budget_and_determinism() -> None:
