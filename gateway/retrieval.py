@@ -199,7 +199,8 @@ def _words(text: str, p: RankingParams, *, query: bool = False) -> list[str]:
 
 
 def _unicode_words(low: str) -> list[str]:
-    folded = _MARKS_RE.sub("", unicodedata.normalize("NFKD", low))
+    # Recomposed after the accents go: a Japanese voiced kana (デ) is its base and a mark in NFKD.
+    folded = unicodedata.normalize("NFC", _MARKS_RE.sub("", unicodedata.normalize("NFKD", low)))
     words: list[str] = []
     for word in _UNICODE_WORD_RE.findall(folded):
         if not _CJK_RE.search(word):

@@ -51,6 +51,7 @@ def test_planted_message_ranks_first() -> None:
     ("服务器部署在东京区域，每天备份一次。", "服务器在哪个区域？东京吗"),
     ("Τα ελληνικά κείμενα αποθηκεύονται στο S3.", "Πού αποθηκεύονται τα κείμενα;"),
     ("Our office moved to München last spring.", "Munchen?"),
+    ("データベースはPostgreSQLです。", "データベースは何ですか"),
 ])
 def test_text_in_any_script_is_found(planted: str, query: str) -> None:
     """Words of every script are indexed (they were dropped: only a-z and 0-9 counted), accents fold,
