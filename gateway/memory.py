@@ -78,14 +78,10 @@ class _CacheBelief:
 
     hit: moving average of the share of the expected cached prefix the provider reported as read
     (1.0 until told otherwise; an OpenAI-compatible server that never caches drives it to 0).
-    ttl: the longest idle gap after which the provider still reported a cached read.
-    writes: moving average of whether an Anthropic-dialect upstream reported any cache activity (reads
-    or writes) for a request long enough to cache: a server that never caches reports neither, and
-    bills no write premium either (1.0 until told otherwise)."""
+    ttl: the longest idle gap after which the provider still reported a cached read."""
 
     hit: float = 1.0
     ttl: float = 0.0
-    writes: float = 1.0
 
 
 @dataclass(slots=True)
@@ -117,7 +113,6 @@ class _Request:
     expected_cached: int = 0
     expected_total: int = 0
     gap: float | None = None
-    breakpoint: bool = False  # the forwarded request asked Anthropic to cache (a cache_control in it)
 
 
 @dataclass(slots=True)
@@ -275,10 +270,8 @@ class Memory:
         belief = self._beliefs.get((dialect.upstream, self.settings.price_key(model)))
         if belief is None:
             return base
-        # A written token costs the premium only where the provider does write; a cached token is read
-        # at `read` when the provider does hit, written again when it does not.
-        write = belief.writes * base.write + (1 - belief.writes) * 1.0
-        return replace(base, read=belief.hit * base.read + (1 - belief.hit) * write, write=write,
+        # A cached token is read at `read` when the provider does hit, written again when it does not.
+        return replace(base, read=belief.hit * base.read + (1 - belief.hit) * base.write,
                        ttl=max(base.ttl, belief.ttl))
 
     def _calibrate(self, req: _Request, usage: Usage) -> None:
@@ -295,10 +288,6 @@ class Memory:
             belief.hit = (1 - _LEARN) * belief.hit + _LEARN * min(1.0, seen / expected)
         elif usage.cache_read_tokens > 0 and req.gap is not None and req.gap > prices.ttl:
             belief.ttl = min(max(belief.ttl, req.gap), _LONGEST_TTL)
-        if req.breakpoint and req.expected_total >= _CALIBRATE_MIN:
-            # Anthropic reports what it read and wrote; a server speaking its API without a cache, neither.
-            active = 1.0 if usage.cache_read_tokens > 0 or usage.cache_write_tokens > 0 else 0.0
-            belief.writes = (1 - _LEARN) * belief.writes + _LEARN * active
 
     async def warm(self) -> None:
         """Load what the first requests would otherwise wait for (start-up)."""
@@ -499,9 +488,6 @@ class Memory:
                                            h.tail_start, tuple(h.tail)), edits)
         original = self._costs(req, inputs, plan, outcome.forwarded, window)
         self.caches.remember_forwarded(req.ref, outcome.forwarded, original)
-        # Anthropic caches only up to a breakpoint: only a request with one says whether it caches.
-        req.breakpoint = dialect.name == "anthropic" and (
-            (plan.kind == "rewritten" and mem.cache_control) or dialect.caches_full_history(call.raw))
         if plan.kind == "full" and inputs.whole:
             return plan, None
         rendered_body = dialect.render(call.body, plan, cache_control=mem.cache_control)
