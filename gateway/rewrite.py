@@ -304,9 +304,7 @@ class Draft:
             # Past the gateway's budget (budget_ratio of the window, less the output) even when cut to
             # the newest turn, but within the window: the client's own request goes as it came, for
             # the provider to judge.
-            whole = Plan(kind="full", state_block="", summary_block="", head=[], omitted_marker="",
-                         window=[t.raw for t in h.tail], excerpts_block="", tokens_original=plan.tokens_original,
-                         tokens_forwarded=plan.tokens_original, reason=TOO_LARGE)
+            whole = _full_plan(h.head, h.tail, h.tail_start, plan.tokens_original, TOO_LARGE)
             return Outcome(whole, cost.full_record((inp.system_hash, inp.system_tokens), inp.chains, h.total_tokens,
                                                    h.tail[-1].tokens if h.tail else 0, inp.now))
         items = _rewrite_items(inp, plan) if plan.kind == "rewritten" else None
@@ -523,10 +521,8 @@ def _layers(inputs: Inputs) -> _Layers:
         if not forced and excerpts and ceiling is not None and forwarded > ceiling:
             excerpts, forwarded = "", size(lay) + held
             quoted.clear()
-        # (Forced by the hard budget too, when the client's own body fits it: dropping layers to fit
-        # can leave a request no smaller than the one the client sent.)
-        if (ceiling is not None and forwarded > ceiling and fallback is not None
-                and (not forced or original <= context_budget)):
+        # (Never when forced by the hard budget: a history that fits it went as sent above.)
+        if ceiling is not None and forwarded > ceiling and fallback is not None and not forced:
             # A rewrite must save something, or the provider's cache of the full body wins. A summary
             # of a short head can outweigh the messages it covers: then the client's body goes as sent.
             return replace(fallback, reason=NO_SAVING)

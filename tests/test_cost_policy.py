@@ -80,13 +80,13 @@ class Clock:
 
 
 async def talk(g: Gateway, chat: Chat, msgs: list[dict[str, Any]], turns: int, clock: Clock,
-               step: float = 20.0, model: str = "gpt-5") -> list[Any]:
+               step: float = 20.0) -> list[Any]:
     """`turns` more turns of short messages, `step` seconds apart; each response's headers."""
     seen = []
     for _ in range(turns):
         clock.now += step
         msgs.append({"role": "user", "content": said(len(msgs) // 2)})
-        headers, text = await chat.send(msgs, model=model)
+        headers, text = await chat.send(msgs, model="gpt-5")
         msgs.append({"role": "assistant", "content": text})
         await g.settle()
         seen.append(headers)
