@@ -5,7 +5,9 @@ for every user message, the history up to it, with an `X-Conversation-Id` (and t
 `time` as `X-Message-Time`, so the gateway dates the turns as they were, not as replayed). A recording upstream on
 port 0 answers with the next assistant message of the data and keeps the request the gateway
 forwarded. At each probe the question goes in as a user message and the forwarded request is
-measured. Baselines are computed from the same data in the same run.
+measured. Baselines are computed from the same data in the same run. With `--settle` the folds
+(and embeddings) a turn queued finish before the next turn or probe is sent, as they do on a live
+gateway whose user takes seconds to minutes between turns; without it the replay outruns them.
 
 Billing model for the cost ratios: each request's cached part is the longest common prefix, item
 by item (system blocks, injected blocks, messages), with the previous request of the conversation.
@@ -497,6 +499,10 @@ class Replay:
                               (index, probe))
             if i == len(msgs) or msgs[i]["role"] != "user":
                 continue
+            if self.settle:
+                # A live gateway has seconds to minutes between a user's turns to finish its folds;
+                # the replay sends the next turn at once.
+                await self._settle()
             nxt = msgs[i + 1] if i + 1 < len(msgs) and msgs[i + 1]["role"] == "assistant" else None
             await request(msgs[:i], msgs[i]["content"], nxt["content"] if nxt else "", msgs[i].get("time"), None)
         full = billers["full"]
@@ -608,7 +614,7 @@ def main(args: argparse.Namespace | Iterable[str] | None = None) -> int:
     second_replay = result["timed_on_data_clock"] and not result["data_clock"]
     print(format_table(result))
     print(f"\n{len(conversations)} conversations in {result['seconds']} s, model {model}"
-          f"{' (folds settled before each probe)' if args.settle else ''}"
+          f"{' (folds settled before each turn and probe)' if args.settle else ''}"
           f"{'; the gateway saw the data clock' if result['data_clock'] else ''}"
           f"{'; timed: a second replay, the gateway on the data clock' if second_replay else ''}")
     if args.json:
@@ -621,7 +627,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help="YAML config file (default: $GATEWAY_CONFIG, else built-in defaults)")
     parser.add_argument("--summarizer", choices=("extractive", "llm"), default=None)
-    parser.add_argument("--settle", action="store_true", help="wait for pending folds before each probe")
+    parser.add_argument("--settle", action="store_true",
+                        help="wait for pending folds (and embeddings) before each turn and probe, as a live "
+                        "gateway has them done between a user's turns")
     parser.add_argument("--json", default=None, help="write the results as JSON here")
     parser.add_argument("--dump", default=None, metavar="DIR",
                         help="write each probe's forwarded request to DIR/<conversation id>/<probe index>.json")
