@@ -351,7 +351,7 @@ def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
     layers = _layers(inputs)
     if kept is not None:
         held = _layers(kept)
-        if keep_layers(inputs, kept, layers.plan, held.plan):
+        if keep_layers(inputs, kept, layers.plan, held.plan, layers.budget):
             inputs, layers = kept, held
     mem, h = inputs.settings, inputs.history
     # The full history is weighed against the rewrite only when it could be forwarded instead.
@@ -370,7 +370,7 @@ def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
     return Draft(inputs, layers, weigh_full, wants)
 
 
-def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan) -> bool:
+def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget: int = 0) -> bool:
     """Cache-aware folding: forward `kept` (the layers the provider has cached, a finished fold not
     applied yet: the older summary and state, the window from their coverage on) rather than
     `applied` (the fold's new layers)? `a`, `k`: their layered plans before excerpts.
@@ -386,10 +386,25 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan) -> bool:
         return False
     items_a, tokens_a, _ = _rewrite_items(applied, a)
     items_k, tokens_k, _ = _rewrite_items(kept, k)
+    # Pins belong to the layout they were quoted in: the applied request starts its excerpts over
+    # and writes a whole block (up to its budget), where the kept one reads its pins from the cache
+    # and writes only what its question recalls beyond them (this conversation's rate so far).
+    rewritten = min(_pinned_tokens(kept, k), excerpt_budget)
+    carried = max(0, rewritten - round(last.excerpt_rate if last.excerpt_rate is not None else rewritten))
     later = max(2, applied.settings.fold_batch // 2) - 1
-    apply = cost.billed(items_a, tokens_a, last, now, prices) + later * prices.read * sum(tokens_a)
+    apply = (cost.billed(items_a, tokens_a, last, now, prices) + prices.write * carried
+             + later * prices.read * (sum(tokens_a) + carried))
     keep = cost.billed(items_k, tokens_k, last, now, prices) + later * prices.read * sum(tokens_k)
     return keep <= apply
+
+
+def _pinned_tokens(inputs: Inputs, plan: Plan) -> int:
+    """Tokens of the earlier requests' excerpt blocks `plan` keeps at their places."""
+    pins = inputs.last.pins if inputs.last is not None and plan.pinned else None
+    if pins is None:
+        return 0
+    texts = {text for _, text in plan.pinned}
+    return sum(p.tokens for p in pins.blocks if p.text in texts)
 
 
 def rewrite_may_win(inputs: Inputs, plan: Plan) -> bool:

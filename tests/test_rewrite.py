@@ -609,3 +609,40 @@ def test_turns_that_recall_little_let_the_rewrite_win_later() -> None:
     assert quiet[0] == rewrite.CHEAPER_CACHED and quiet[-1] == rewrite.REWRITTEN
     busy = replay(list(range(2, 38, 2)), 12)  # every turn recalls a block of most of the budget
     assert busy[: quiet.index(rewrite.REWRITTEN) + 1] == [rewrite.CHEAPER_CACHED] * (quiet.index(rewrite.REWRITTEN) + 1)
+
+
+def test_a_held_fold_counts_the_pinned_excerpts_applying_it_would_write_again() -> None:
+    """Cache-aware folding weighs the held layers against the fold's: pins belong to the layout they
+    were quoted in, so applying the fold drops them and the next search writes their excerpts anew,
+    where keeping reads them from the cache. Pins that outweigh what the fold saves keep the warm
+    conversation on its cached layers."""
+    settings = MemorySettings.model_validate(
+        {"message_threshold": 4, "keep_recent": 2, "policy": "cost", "retrieval_max_share": 1.0,
+         "retrieval_target_share": 0.0, "retrieval_budget_tokens": 2000, "min_saving_share": 0.0})
+    pad = " ".join(["lorem"] * 98)  # 100 tokens a message, by `count`, as in the excerpts quoting them
+    ts = turns(oa, [{**m, "content": f"{m['content']} {pad}"} for m in chat(60)], tokens=100)
+    ts += turns(oa, [{"role": "user", "content": "question 60"}])
+
+    def inputs(upto: int, cov: int, summary: str, last: cost.Forwarded | None, now: float) -> Inputs:
+        history = History(head=[], tail=ts[cov:upto], tail_start=cov, total_messages=upto,
+                          total_tokens=sum(t.tokens for t in ts[:upto]),
+                          summary=Summary(text=summary, covers=cov, version=1, tokens=count(summary)))
+        return Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
+                      settings=settings, context_budget=100_000, count=count, last=last, now=now)
+
+    # A request on the summary over [0, 60) quotes ten earlier turns (~1,000 tokens), pinned after it.
+    first = rewrite.plan(inputs(81, 60, "the story so far", None, 0.0)).finish([(p, ts[p]) for p in range(2, 32, 3)])
+    assert first.forwarded is not None and first.forwarded.pins is not None
+    # The next request, a fold over [0, 76) finished meanwhile: it takes 1,600 tokens of window out of
+    # every later request, but applying it writes its prefix and ~1,000 tokens of excerpts again,
+    # where this conversation's searched turns have written ~100 new excerpt tokens each.
+    last = replace(first.forwarded, excerpt_rate=100.0)
+    kept = inputs(83, 60, "the story so far", last, 30.0)
+    applied = inputs(83, 76, "a newer story", last, 30.0)
+    assert rewrite.plan(applied, kept).inputs is kept, "the held layers and their pins stay while the cache is warm"
+    # Turns that each write a whole block of new excerpts anyway lose nothing with the pins: the fold goes in.
+    fresh = replace(first.forwarded, excerpt_rate=1000.0)
+    assert rewrite.plan(replace(applied, last=fresh), replace(kept, last=fresh)).inputs is not kept
+    # So it does once the cache is cold: both are written whole.
+    cold = cost.DEFAULT_PRICES.ttl + 31.0
+    assert rewrite.plan(replace(applied, now=cold), replace(kept, now=cold)).inputs is not kept
