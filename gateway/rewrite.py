@@ -389,6 +389,8 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     # Pins belong to the layout they were quoted in: the applied request starts its excerpts over
     # and writes a whole block (up to its budget), where the kept one reads its pins from the cache
     # and writes only what its question recalls beyond them (this conversation's rate so far).
+    # Later reads of that block count only the same difference: short of the whole block, which
+    # leans toward applying (the shorter request) when the two are close.
     rewritten = min(_pinned_tokens(kept, k), excerpt_budget)
     carried = max(0, rewritten - round(last.excerpt_rate if last.excerpt_rate is not None else rewritten))
     later = max(2, applied.settings.fold_batch // 2) - 1
