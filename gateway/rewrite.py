@@ -370,10 +370,11 @@ def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
     return Draft(inputs, layers, weigh_full, wants)
 
 
-def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget: int = 0) -> bool:
+def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget: int) -> bool:
     """Cache-aware folding: forward `kept` (the layers the provider has cached, a finished fold not
     applied yet: the older summary and state, the window from their coverage on) rather than
-    `applied` (the fold's new layers)? `a`, `k`: their layered plans before excerpts.
+    `applied` (the fold's new layers)? `a`, `k`: their layered plans before excerpts;
+    `excerpt_budget`: what the applied request's excerpts may fill.
 
     Yes while the kept request is a plain rewrite (within the hard budget and its saving share) and
     costs less over the next `fold_batch / 2` requests: applying writes the new prefix once, then
