@@ -392,8 +392,8 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     # and writes only what its question recalls beyond them (this conversation's rate so far).
     # Later reads of that block count only the same difference: short of the whole block, which
     # leans toward applying (the shorter request) when the two are close.
-    rewritten = min(_pinned_tokens(kept, k), excerpt_budget)
-    carried = max(0, rewritten - round(last.excerpt_rate if last.excerpt_rate is not None else rewritten))
+    rate = last.excerpt_rate
+    carried = 0 if rate is None else max(0, min(_pinned_tokens(kept, k), excerpt_budget) - round(rate))
     later = max(2, applied.settings.fold_batch // 2) - 1
     apply = (cost.billed(items_a, tokens_a, last, now, prices) + prices.write * carried
              + later * prices.read * (sum(tokens_a) + carried))
