@@ -779,9 +779,12 @@ class Memory:
                 if ledger is None:
                     return
                 if await self.store.put_state(ref, ledger.dump(), expect_version=version):
+                    self.caches.edited(ref)  # layers held for the cache must not outlive what they held
                     with contextlib.suppress(StoreUnavailable):
                         await self.store.announce(ref, "folded")
                     return
+            # Other writers won every attempt: the abandoned turns' items stay until the next fold.
+            log.warning("memory.branch_state_contended", conversation=ref.conversation, at=at)
         except StoreUnavailable as exc:
             log.warning("memory.branch_state_failed", conversation=ref.conversation, error=type(exc).__name__)
 

@@ -6,7 +6,9 @@ from typing import Any
 
 import openai
 import pytest
+from structlog.testing import capture_logs
 
+from gateway.app import STORE
 from tests.memory_helpers import (
     memory_gateway,
     openai_turn,
@@ -95,3 +97,39 @@ async def test_a_conversation_deleted_and_started_again_is_read_from_its_first_m
         decisions = [i["text"] for i in conv["state"]["decisions"]]
         assert "We decided to use Kafka 3.6 for the booking events." in decisions
         assert OPENING[1] in decisions  # the project's state outlives the conversation
+
+
+@pytest.mark.parametrize("contended", [False, True])
+async def test_an_edited_turn_leaves_the_state_and_a_lost_race_is_logged(store_url: str,  # noqa: F811
+                                                                          contended: bool) -> None:
+    """Editing the message that stated a decision branches the conversation, and its state forgets
+    the decision. When other writers win every attempt to rewrite the state, the gateway says so in
+    its log instead of failing silently (the abandoned item stays until a later fold)."""
+    async with memory_gateway(store_url, memory=DEFAULTS) as gw:
+        client = gw.openai()
+        history: list[dict[str, Any]] = []
+        for text in OPENING:
+            history.append({"role": "user", "content": text})
+            _, reply = await openai_turn(gw, client, "edited", history)
+            history.append({"role": "assistant", "content": reply})
+            await gw.settle()
+        _, conv = await gw.api("GET", "edited")
+        assert "PostgreSQL 16" in conv["state_rendered"]
+
+        store = gw.app[STORE]
+        if contended:
+            async def always_lose(*args: Any, **kwargs: Any) -> bool:
+                return False
+            store.put_state = always_lose
+        edited = [*history[:2], {"role": "user", "content": "Let's keep the bookings in a spreadsheet for now."}]
+        with capture_logs() as logs:
+            await openai_turn(gw, client, "edited", edited)
+            await gw.settle()
+        _, conv = await gw.api("GET", "edited")
+        contention = [e for e in logs if e["event"] == "memory.branch_state_contended"]
+        if contended:
+            assert "PostgreSQL 16" in conv["state_rendered"]
+            assert contention and contention[0]["conversation"] == "edited" and contention[0]["at"] == 2
+        else:
+            assert "PostgreSQL 16" not in conv["state_rendered"]
+            assert not contention
