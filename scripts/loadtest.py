@@ -294,6 +294,14 @@ async def main(args: argparse.Namespace) -> None:
             last = samples[-1][1]
             print(f"RSS after warm-up {base / 1024:.0f} MiB, at the end {last / 1024:.0f} MiB: "
                   f"drift {100 * (last - base) / max(base, 1):+.1f}% over {len(samples)} samples")
+            # Bounded caches fill early and then hold; a leak keeps the same slope to the end. The
+            # run's tenths and the two halves after warm-up tell one from the other.
+            tenths = [samples[min(len(samples) - 1, len(samples) * k // 10)] for k in range(1, 11)]
+            print("  RSS by tenth of the run (MiB): " + ", ".join(f"{kib / 1024:.0f}" for _, kib in tenths))
+            mid = samples[(len(samples) // 5 + len(samples)) // 2]
+            for label, (t_a, a), (t_b, b) in (("first", samples[len(samples) // 5], mid), ("second", mid, samples[-1])):
+                rate = (b - a) / 1024 / max((t_b - t_a) / 60, 1e-9)
+                print(f"  {label} half after warm-up: {rate:+.2f} MiB/min")
 
 
 if __name__ == "__main__":
