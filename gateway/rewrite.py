@@ -349,6 +349,10 @@ def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
     yet), planned instead of `inputs` when `keep_layers` says so.
     """
     layers = _layers(inputs)
+    # A held fold's request searches as the applied fold's would (before the applied window's start):
+    # what it finds in its own longer window is there already, so keeping the cached layers never
+    # forwards less of the past than applying the fold would.
+    search_from = layers.window_start if layers.finish is not None else None
     if kept is not None:
         held = _layers(kept)
         if keep_layers(inputs, kept, layers.plan, held.plan, layers.budget):
@@ -366,7 +370,8 @@ def plan(inputs: Inputs, kept: Inputs | None = None) -> Draft:
         # Less the block's own heading; each excerpt's header is budgeted by the index.
         search_budget = min(layers.budget, int(mem.retrieval_max_share * h.total_tokens)) - 20
         if query is not None and search_budget > 0:
-            wants = Wanted(layers.window_start, layers.budget, search_budget, query, [t.text for t in tail[-6:]])
+            start = max(layers.window_start, search_from or 0)
+            wants = Wanted(start, layers.budget, search_budget, query, [t.text for t in tail[-6:]])
     return Draft(inputs, layers, weigh_full, wants)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -611,15 +612,13 @@ def test_turns_that_recall_little_let_the_rewrite_win_later() -> None:
     assert busy[: quiet.index(rewrite.REWRITTEN) + 1] == [rewrite.CHEAPER_CACHED] * (quiet.index(rewrite.REWRITTEN) + 1)
 
 
-def test_a_held_fold_counts_the_pinned_excerpts_applying_it_would_write_again() -> None:
-    """Cache-aware folding weighs the held layers against the fold's: pins belong to the layout they
-    were quoted in, so applying the fold drops them and the next search writes their excerpts anew,
-    where keeping reads them from the cache. Pins that outweigh what the fold saves keep the warm
-    conversation on its cached layers."""
+def _held_fold_case() -> tuple[list[Message], Callable[[int, int, str, cost.Forwarded | None, float], Inputs]]:
+    """Messages of 100 tokens (by `count`, as in the excerpts quoting them) and Inputs on the first
+    `upto` of them, summarised over [0, cov), for the held-fold tests under `policy: cost`."""
     settings = MemorySettings.model_validate(
         {"message_threshold": 4, "keep_recent": 2, "policy": "cost", "retrieval_max_share": 1.0,
          "retrieval_target_share": 0.0, "retrieval_budget_tokens": 2000, "min_saving_share": 0.0})
-    pad = " ".join(["lorem"] * 98)  # 100 tokens a message, by `count`, as in the excerpts quoting them
+    pad = " ".join(["lorem"] * 98)
     ts = turns(oa, [{**m, "content": f"{m['content']} {pad}"} for m in chat(60)], tokens=100)
     ts += turns(oa, [{"role": "user", "content": "question 60"}])
 
@@ -630,6 +629,15 @@ def test_a_held_fold_counts_the_pinned_excerpts_applying_it_would_write_again() 
         return Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
                       settings=settings, context_budget=100_000, count=count, last=last, now=now)
 
+    return ts, inputs
+
+
+def test_a_held_fold_counts_the_pinned_excerpts_applying_it_would_write_again() -> None:
+    """Cache-aware folding weighs the held layers against the fold's: pins belong to the layout they
+    were quoted in, so applying the fold drops them and the next search writes their excerpts anew,
+    where keeping reads them from the cache. Pins that outweigh what the fold saves keep the warm
+    conversation on its cached layers."""
+    ts, inputs = _held_fold_case()
     # A request on the summary over [0, 60) quotes ten earlier turns (~1,000 tokens), pinned after it.
     first = rewrite.plan(inputs(81, 60, "the story so far", None, 0.0)).finish([(p, ts[p]) for p in range(2, 32, 3)])
     assert first.forwarded is not None and first.forwarded.pins is not None
@@ -646,3 +654,25 @@ def test_a_held_fold_counts_the_pinned_excerpts_applying_it_would_write_again() 
     # So it does once the cache is cold: both are written whole.
     cold = cost.DEFAULT_PRICES.ttl + 31.0
     assert rewrite.plan(replace(applied, now=cold), replace(kept, now=cold)).inputs is not kept
+
+
+def test_a_held_fold_searches_the_past_the_applied_fold_would() -> None:
+    """Keeping the cached layers never forwards less of the past than applying the fold: the held
+    request searches as the applied one would (up to the applied window's first position), and what
+    it finds in its own longer window is present already, not quoted again."""
+    ts, inputs = _held_fold_case()
+    first = rewrite.plan(inputs(81, 60, "the story so far", None, 0.0)).finish([(p, ts[p]) for p in range(2, 32, 3)])
+    assert first.forwarded is not None
+    last = replace(first.forwarded, excerpt_rate=100.0)
+    kept = inputs(83, 60, "the story so far", last, 30.0)
+    applied = inputs(83, 76, "a newer story", last, 30.0)
+    alone = rewrite.plan(applied)
+    draft = rewrite.plan(applied, kept)
+    assert draft.inputs is kept  # the held layers are forwarded (see the test above)
+    assert alone.wants is not None and draft.wants is not None
+    held_start = 83 - len(draft.plan.window)
+    assert held_start < alone.wants.window_start == draft.wants.window_start
+    # A message of the held window the search ranks first is there already: not quoted again.
+    inside = held_start + 2
+    done = draft.finish([(inside, ts[inside]), (40, ts[40])])
+    assert f"[message {inside}," not in done.plan.excerpts_block and "[message 40," in done.plan.excerpts_block
