@@ -501,7 +501,9 @@ _remembered_sentences = lru_cache(maxsize=64)(_split_sentences)
 
 
 # Not statements of anything durable, whatever words they hold: a question ("so how do I make it
-# always return a list?"), a greeting, a complaint ("I've been staring at this code for hours").
+# always return a list?"), a greeting, a complaint ("I've been staring at this code for hours"), an
+# error report ("this throws an error saying the value must be an integer"), an illustration ("For
+# example, let's use AWS Secrets Manager": what an answer shows, not what the project chose).
 _NOT_STATE = Pattern(
     r"\?[\s\"')\]]*$"
     r"|^(?:hmm+|um+|uh+|huh|wait|so|ok|okay|well|and|but|oh)?[\s,]*(?:how|what|why|when|where|which|who|whom|whose"
@@ -514,7 +516,10 @@ _NOT_STATE = Pattern(
     r"|confused|tired|exhausted)|makes\s+no\s+sense|doesn't\s+make\s+sense|sick\s+of|tired\s+of"
     r"|(?:hate|hated)\s+(?:this|it|that|when)|so\s+(?:confusing|annoying)|no\s+idea\s+why|i\s+give\s+up"
     r"|pulling\s+my\s+hair|wasted|not\s+sure|i(?:'m|\s+am)\s+(?:getting|having|seeing|running\s+into|worried)"
-    r"|i\s+keep\s+(?:getting|seeing|running))\b",
+    r"|i\s+keep\s+(?:getting|seeing|running)"
+    r"|(?:throws|throwing|raises|raising|gives|giving|returns|returning|get|gets|got)\s+(?:me\s+)?an?\s+"
+    r"(?:error|exception)|error\s+(?:saying|says|that\s+says|message\s+saying))\b"
+    r"|^(?:so|and|but|now|however)?[\s,]*(?:for\s+(?:example|instance|this\s+example)|e\.g\.)(?![\w.])",
     caseless=True)
 # "I've never used X": the user's history (a fact), not a rule they set.
 _NEVER_DONE = Pattern(r"\bi(?:'ve|\s+have)\s+never\b|\bi\s+never\s+(?:used|tried|did|had|worked|set|configured)\b",

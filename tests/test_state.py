@@ -256,10 +256,14 @@ def test_a_decision_changed_twice_shows_the_latest_with_its_history() -> None:
     "I'm not sure we decided to always use UTC.",
     "I'd like to know if there are any issues with using Redis as a session store.",
     "I'm wondering whether we must keep the old endpoint.",
+    "However, this throws an error saying that the value must be an integer.",
+    "The call gives me an error that says the token must be refreshed.",
+    "For example, if the PDF cannot be opened, I want to display a user-friendly error message.",
+    "For this example, let's use AWS Secrets Manager to store the key.",
 ])
 def test_questions_greetings_and_complaints_are_never_state(text: str) -> None:
-    """Sentences that ask, greet or complain hold the words of a constraint or a decision, but state
-    nothing: no state item comes of them."""
+    """Sentences that ask, greet, complain, report an error or give an example hold the words of a
+    constraint or a decision, but state nothing: no state item comes of them."""
     ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
     assert list(ledger.all_items()) == []
 
