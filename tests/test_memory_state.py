@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 
 from gateway.app import STORE
 from tests.memory_helpers import (
+    Gateway,
     memory_gateway,
     openai_turn,
     store_url,  # noqa: F401 (fixture)
@@ -31,18 +32,24 @@ OPENING = [
 ]
 
 
+async def _open(gw: Gateway, conv: str) -> list[dict[str, Any]]:
+    """The OPENING turns sent one by one through the OpenAI SDK, each settled; the history after them."""
+    client = gw.openai()
+    history: list[dict[str, Any]] = []
+    for text in OPENING:
+        history.append({"role": "user", "content": text})
+        headers, reply = await openai_turn(gw, client, conv, history)
+        history.append({"role": "assistant", "content": reply})
+        assert headers["x-gateway-reason"] == "under-threshold"
+        await gw.settle()
+    return history
+
+
 async def test_a_16_message_conversation_gets_its_state(store_url: str) -> None:  # noqa: F811
     """Goal, decision and constraint stated in the first turns of a 16-message conversation are in
     its state (conversation API), with no fold; its question and complaint are not."""
     async with memory_gateway(store_url, memory=DEFAULTS) as gw:
-        client = gw.openai()
-        history: list[dict[str, Any]] = []
-        for text in OPENING:
-            history.append({"role": "user", "content": text})
-            headers, reply = await openai_turn(gw, client, "short", history)
-            history.append({"role": "assistant", "content": reply})
-            assert headers["x-gateway-reason"] == "under-threshold"
-            await gw.settle()
+        history = await _open(gw, "short")
         assert len(history) == 16
         status, conv = await gw.api("GET", "short")
         assert status == 200, conv
@@ -107,12 +114,7 @@ async def test_an_edited_turn_leaves_the_state_and_a_lost_race_is_logged(store_u
     its log instead of failing silently (the abandoned item stays until a later fold)."""
     async with memory_gateway(store_url, memory=DEFAULTS) as gw:
         client = gw.openai()
-        history: list[dict[str, Any]] = []
-        for text in OPENING:
-            history.append({"role": "user", "content": text})
-            _, reply = await openai_turn(gw, client, "edited", history)
-            history.append({"role": "assistant", "content": reply})
-            await gw.settle()
+        history = await _open(gw, "edited")
         _, conv = await gw.api("GET", "edited")
         assert "PostgreSQL 16" in conv["state_rendered"]
 
