@@ -262,3 +262,31 @@ class Chat:
 def plain(msgs: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Messages reduced to role + text, whatever block shape they use."""
     return [{"role": m["role"], "content": block_text(m["content"])} for m in msgs]
+
+
+class Lines:
+    """Stands in for a structlog logger: keeps (level, event, fields)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict[str, Any]]] = []
+
+    def _keep(self, level: str, event: str, **fields: Any) -> None:
+        self.lines.append((level, event, fields))
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._keep("debug", event, **fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._keep("info", event, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._keep("warning", event, **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._keep("error", event, **fields)
+
+    def exception(self, event: str, **fields: Any) -> None:
+        self._keep("error", event, **fields)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [f for _, e, f in self.lines if e == name]

@@ -11,6 +11,7 @@ import pytest
 from memory_helpers import (
     Chat,
     Gateway,
+    Lines,
     memory_gateway,
     reply_text,
     store_url,  # noqa: F401 (fixture)
@@ -25,34 +26,6 @@ from gateway.config import ConfigError, Settings, parse_settings
 
 # The shipped defaults (the helpers' gateway has smaller ones): over the thresholds after 15 turns.
 MEMORY = {"message_threshold": 30, "keep_recent": 10, "fold_batch": 10, "policy": "cost"}
-
-
-class Lines:
-    """Stands in for a structlog logger: keeps (level, event, fields)."""
-
-    def __init__(self) -> None:
-        self.lines: list[tuple[str, str, dict[str, Any]]] = []
-
-    def _keep(self, level: str, event: str, **fields: Any) -> None:
-        self.lines.append((level, event, fields))
-
-    def debug(self, event: str, **fields: Any) -> None:
-        self._keep("debug", event, **fields)
-
-    def info(self, event: str, **fields: Any) -> None:
-        self._keep("info", event, **fields)
-
-    def warning(self, event: str, **fields: Any) -> None:
-        self._keep("warning", event, **fields)
-
-    def error(self, event: str, **fields: Any) -> None:
-        self._keep("error", event, **fields)
-
-    def exception(self, event: str, **fields: Any) -> None:
-        self._keep("error", event, **fields)
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [f for _, e, f in self.lines if e == name]
 
 
 @pytest.fixture

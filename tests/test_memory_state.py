@@ -6,11 +6,12 @@ from typing import Any
 
 import openai
 import pytest
-from structlog.testing import capture_logs
 
+from gateway import memory as memory_module
 from gateway.app import STORE
 from tests.memory_helpers import (
     Gateway,
+    Lines,
     memory_gateway,
     openai_turn,
     store_url,  # noqa: F401 (fixture)
@@ -108,7 +109,8 @@ async def test_a_conversation_deleted_and_started_again_is_read_from_its_first_m
 
 @pytest.mark.parametrize("contended", [False, True])
 async def test_an_edited_turn_leaves_the_state_and_a_lost_race_is_logged(store_url: str,  # noqa: F811
-                                                                          contended: bool) -> None:
+                                                                          contended: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Editing the message that stated a decision branches the conversation, and its state forgets
     the decision. When other writers win every attempt to rewrite the state, the gateway says so in
     its log instead of failing silently (the abandoned item stays until a later fold)."""
@@ -124,14 +126,15 @@ async def test_an_edited_turn_leaves_the_state_and_a_lost_race_is_logged(store_u
                 return False
             store.put_state = always_lose
         edited = [*history[:2], {"role": "user", "content": "Let's keep the bookings in a spreadsheet for now."}]
-        with capture_logs() as logs:
-            await openai_turn(gw, client, "edited", edited)
-            await gw.settle()
+        logs = Lines()
+        monkeypatch.setattr(memory_module, "log", logs)
+        await openai_turn(gw, client, "edited", edited)
+        await gw.settle()
         _, conv = await gw.api("GET", "edited")
-        contention = [e for e in logs if e["event"] == "memory.branch_state_contended"]
+        contention = logs.events("memory.branch_state_contended")
         if contended:
             assert "PostgreSQL 16" in conv["state_rendered"]
-            assert contention and contention[0]["conversation"] == "edited" and contention[0]["at"] == 2
+            assert contention == [{"conversation": "edited", "at": 2}]
         else:
             assert "PostgreSQL 16" not in conv["state_rendered"]
             assert not contention
