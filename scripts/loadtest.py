@@ -8,7 +8,9 @@ stored history compared with what was sent.
 The gateway runs as `gateway serve` (its own process) in front of a fake upstream (port 0, this
 process); `--instant` makes the upstream answer with no delay. `--writers W`: W clients write to
 each conversation at once, each resending the shared history plus its own turn. `--soak MINUTES`
-keeps new conversations arriving for that long and samples the gateway's RSS.
+keeps new conversations arriving for that long and samples the gateway's RSS: its drift after
+warm-up (the first fifth), its value by tenth of the run, and its growth rate in each half after
+warm-up (caches that fill and hold flatten in the second half; a leak does not).
 
 Prints throughput, latency percentiles (and, apart, how much of them was spent waiting for one of
 this generator's own `--concurrency` connections: with more conversations than that, it is the
