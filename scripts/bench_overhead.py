@@ -22,9 +22,16 @@ new turns every `fold_batch` messages, in-process by default).
 Several sizes (`--conversation-turns 10,500`) run in one gateway process with their rounds
 interleaved, so a comparison between sizes is not skewed by the machine's drift either.
 
-`--reference` (memory off) also runs `scripts/bare_relay.py`, a bare aiohttp relay in its own
-process, in the same alternating rounds, and prints its row (`+ref`) under the gateway's: the
-floor any Python reverse proxy adds on this machine, measured under the same conditions.
+`--reference` also runs `scripts/bare_relay.py`, a bare aiohttp relay in its own process, in the
+same alternating rounds, and prints its row (`+ref`) under the gateway's: the floor any Python
+reverse proxy adds on this machine, measured under the same conditions. It relays the direct
+requests' bodies (with memory on, the whole growing histories, unchanged).
+
+`--pin` (Linux) binds the gateway, its fold processes and the relay to the last CPU and this load
+generator and the fake upstream to the others. On a small machine, unpinned, the figures include
+the gateway and the load generator taking turns on the same cores; pinned, they are closer to a
+gateway whose clients and provider are on other machines. (A Redis given by `--store` is not
+moved.)
 """
 
 from __future__ import annotations
@@ -250,8 +257,8 @@ class Cell:
         cpu = self.ref_cpu if reference else self.cpu[0]
         if reference:
             mode += "+ref"
-        ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory else ""
-        worker = f" | worker CPU/req {self.cpu[1] / n * 1000:.2f}ms" if len(self.cpu) > 1 else ""
+        ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory and not reference else ""
+        worker = f" | worker CPU/req {self.cpu[1] / n * 1000:.2f}ms" if len(self.cpu) > 1 and not reference else ""
         return (f"{mode:<10}{conc:>5}{self.turns:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
                 f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
                 f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
@@ -302,8 +309,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+def start(argv: list[str], log: Path, cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
+    """Start a process; with `cpus`, bound to them from before it runs (its children inherit it)."""
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, preexec_fn=pin)
 
 
 class GatewayLog:
@@ -346,13 +355,20 @@ async def main() -> None:
                    help="memory.worker.in_process of `gateway serve` (0 without --separate-worker: nothing "
                         "folds, every request meets a growing backlog of unfolded messages)")
     p.add_argument("--reference", action="store_true",
-                   help="memory off: also time a bare aiohttp relay (scripts/bare_relay.py) in the same rounds")
+                   help="also time a bare aiohttp relay (scripts/bare_relay.py) of the direct bodies, same rounds")
+    p.add_argument("--pin", action="store_true",
+                   help="Linux: the gateway (its fold processes too) and the relay on the last CPU, this load "
+                        "generator and the fake upstream on the others, as when clients and provider are elsewhere")
     args = p.parse_args()
 
     sizes = [int(t) for t in args.conversation_turns.split(",")]
     memory = sizes != [0]
-    if args.reference and memory:
-        raise SystemExit("--reference compares the pass-through path: run it without --conversation-turns")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if args.pin and len(cpus) < 2:
+        raise SystemExit("--pin needs Linux and at least two CPUs")
+    served, loading = ({cpus[-1]}, set(cpus[:-1])) if args.pin else (None, None)
+    if loading:
+        os.sched_setaffinity(0, loading)
     requests = args.requests or (1000 if memory else 2000)
     folding = args.separate_worker or args.in_process > 0
     if not folding:
@@ -370,14 +386,15 @@ async def main() -> None:
 
         redis.Redis.from_url(args.store).flushdb()
     fake = start([sys.executable, "-m", "gateway.testing", "--port", str(fake_port),
-                  "--latency-ms", str(args.latency_ms), "--jitter-ms", str(args.jitter_ms)], workdir / "fake.log")
+                  "--latency-ms", str(args.latency_ms), "--jitter-ms", str(args.jitter_ms)], workdir / "fake.log",
+                 loading)
     procs = [start([sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(gw_port)],
-                   workdir / "gateway.log")]
+                   workdir / "gateway.log", served)]
     if args.separate_worker:
         procs.append(start([sys.executable, "-m", "gateway", "worker", "--config", str(config)],
-                           workdir / "worker.log"))
+                           workdir / "worker.log", served))
     ref = (start([sys.executable, str(Path(__file__).with_name("bare_relay.py")), f"http://127.0.0.1:{fake_port}",
-                  str(ref_port)], workdir / "reference.log") if args.reference else None)
+                  str(ref_port)], workdir / "reference.log", served) if args.reference else None)
     gw_log = GatewayLog(workdir / "gateway.log")
     try:
         await wait_up(f"http://127.0.0.1:{fake_port}/v1/models", fake)
@@ -389,7 +406,9 @@ async def main() -> None:
         relayed = f"http://127.0.0.1:{ref_port}/v1/chat/completions"
         print(f"{requests} timed requests per cell in {args.rounds} alternating rounds, upstream latency "
               f"{args.latency_ms:g} ms" + (f" ± {args.jitter_ms:g}" if args.jitter_ms else "")
-              + f", {os.cpu_count()} CPUs, memory "
+              + f", {os.cpu_count()} CPUs"
+              + (f" (gateway on CPU {cpus[-1]}, load and fake upstream on {','.join(map(str, cpus[:-1]))})"
+                 if args.pin else "") + ", memory "
               + (f"on ({args.store}), histories of N to N+{2 * args.per_conversation} messages, folds "
                  f"{'in a separate worker' if args.separate_worker else 'in-process' if folding else 'off'}"
                  if memory else "off"))
