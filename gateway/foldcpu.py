@@ -217,9 +217,10 @@ def _start_child(settings: Settings) -> None:
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), name="fold-parent-watch", daemon=True).start()
     # A fold is background work: on a machine whose cores are all busy, the request path (this
-    # child's parent, and whatever else serves users) goes first. Not permitted: same priority.
+    # child's parent, and whatever else serves users) goes first. Ten below the gateway's own
+    # priority, however it was started (19 at most); not Unix: the same priority.
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, max(os.getpriority(os.PRIO_PROCESS, 0), 10))
+        os.nice(10)
     counter = TokenCounter(settings.models)
     model = settings.memory.summarizer.model
     summarizer = build_summarizer(settings, lambda text: counter.count(text, model), mode="extractive")
