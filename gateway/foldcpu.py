@@ -216,11 +216,15 @@ def _start_child(settings: Settings) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), name="fold-parent-watch", daemon=True).start()
-    # A fold is background work: on a machine whose cores are all busy, the request path (this
-    # child's parent, and whatever else serves users) goes first. Ten below the gateway's own
-    # priority, however it was started (19 at most); not Unix: the same priority.
+    # A fold is background work: whenever the serving process (this child's parent) wants the CPU,
+    # it goes first. On a shared core, a child at nice +10 still held the loop back by 2-6 ms about
+    # once a fold (scripts/bench_fold_stall.py). Linux's SCHED_IDLE runs the child only on CPU time
+    # nothing else wants: a gateway kept at 100% CPU falls behind on folds, not on requests.
+    # Elsewhere, ten nice levels below the gateway; failing both, the same priority.
     with contextlib.suppress(AttributeError, OSError):
         os.nice(10)
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     counter = TokenCounter(settings.models)
     model = settings.memory.summarizer.model
     summarizer = build_summarizer(settings, lambda text: counter.count(text, model), mode="extractive")
