@@ -9,14 +9,15 @@ requests, and code that builds a `FoldWorker` alone keep a thread (`ThreadCPU`).
 What crosses the process boundary is plain data: the previous summary text, the aged messages
 without their provider-native `raw` (the summarizer reads role, text, tokens and time), the stored
 ledger JSON; back come the summary, its token count and the ledger's new JSON (None: unchanged).
-Pickling both ways happens in the executor's own threads, not on the event loop.
+They travel over one socket per child, which the event loop itself writes and reads: no thread of
+the serving process takes part in a hand-off (see ProcessCPU).
 
 The children start from a fork server that has imported the summarizer and loaded its encoding
 once (foldwarm.py): a child costs a fork, not an interpreter start and a second of loading, and
 `gateway serve` starts them with its workers (`ProcessCPU.start`). A program that embeds the
 gateway must guard its main module (`if __name__ == "__main__"`): each child imports it again, as
-multiprocessing's children do. A child that dies (killed, out of memory) breaks its pool: the fold it was running fails
-like any failed fold (the worker retries it with backoff) and the next call starts new children.
+multiprocessing's children do. A child that dies (killed, out of memory) fails the fold it was
+running like any failed fold (the worker retries it with backoff), and a new child takes its place.
 Children ignore SIGINT and SIGTERM: `gateway serve` decides when they stop (`ProcessCPU.close`,
 after the workers' grace period); if the gateway itself dies they exit at once (`_exit_with`).
 """
@@ -28,13 +29,14 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
+import socket
+import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -260,26 +262,76 @@ def child_state(state_key: str, state_data: dict[str, Any] | None, state_version
     return _child().state(state_key, state_data, state_version, aged, start, now, conversation)
 
 
+_HEADER = struct.Struct("!Q")  # a message's length, before it on the socket
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    """`n` bytes from `sock`; None at EOF (the gateway closed its end or died)."""
+    chunks: list[bytes] = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _serve_child(sock: socket.socket, settings: Settings) -> None:
+    """A fold process: initialise, then answer one call at a time until the gateway's end closes
+    (or the gateway stops reading: an answer nobody waits for ends the process quietly)."""
+    _start_child(settings)
+    with sock, contextlib.suppress(OSError):
+        while (header := _recv_exactly(sock, _HEADER.size)) is not None:
+            body = _recv_exactly(sock, _HEADER.unpack(header)[0])
+            if body is None:
+                return
+            try:
+                fn, args = pickle.loads(body)
+                answer = pickle.dumps((True, fn(*args)), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # the call's own failure, raised again in the gateway
+                try:
+                    answer = pickle.dumps((False, exc), protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception:
+                    answer = pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
+            sock.sendall(_HEADER.pack(len(answer)) + answer)
+
+
+@dataclass(eq=False, slots=True)
+class _Process:
+    process: multiprocessing.process.BaseProcess
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+
 class ProcessCPU:
-    """Fold CPU in `processes` child processes (`gateway serve`), started with the workers (`start`)."""
+    """Fold CPU in `processes` child processes (`gateway serve`), started with the workers (`start`).
+
+    Each child has one socket to this process, driven by the event loop: a call is pickled here
+    (a fold's messages without `raw`: ~0.15 ms for 50 of them), written, and its answer read when
+    it arrives. No thread of this process takes part. `ProcessPoolExecutor`'s manager and feeder
+    threads did, and on a busy CPU each hand-off then held the loop back by up to a few ms while
+    they ran (scripts/bench_fold_stall.py). A child answers one call at a time."""
 
     def __init__(self, settings: Settings, processes: int) -> None:
         self.settings = settings
         self.processes = processes
-        self._executor: ProcessPoolExecutor | None = None
+        self._ctx: Any = None
+        self._children: list[_Process] = []
+        self._idle: asyncio.Queue[_Process] | None = None
+        self._starting: asyncio.Lock | None = None
         self._warming: asyncio.Task[None] | None = None
-        self.lost = 0  # pools broken by a child's death
+        self._closed = False
+        self.lost = 0  # children found dead with a call in hand
 
-    def _pool(self) -> ProcessPoolExecutor:
-        if self._executor is None:
-            ctx = multiprocessing.get_context("forkserver")
+    def _context(self) -> Any:
+        if self._ctx is None:
+            self._ctx = multiprocessing.get_context("forkserver")
             # Both only apply when the fork server starts (once per process): its children then
             # fork with the summarizer's modules and its encoding loaded (foldwarm.py).
             os.environ[_WARM_ENV] = self._encoding()
-            ctx.set_forkserver_preload(["gateway.foldwarm"])
-            self._executor = ProcessPoolExecutor(self.processes, mp_context=ctx, initializer=_start_child,
-                                                 initargs=(self.settings,))
-        return self._executor
+            self._ctx.set_forkserver_preload(["gateway.foldwarm"])
+        return self._ctx
 
     def _encoding(self) -> str:
         models = self.settings.models
@@ -289,31 +341,88 @@ class ProcessCPU:
     def start(self) -> None:
         """Start the children now (in the background), not at the first fold: a fold then never
         waits for a process to start."""
-        self._pool()
         self._warming = asyncio.get_running_loop().create_task(self._warm())
 
     async def _warm(self) -> None:
-        with contextlib.suppress(FoldProcessLost):
-            pids = [await self.call(child_pid) for _ in range(self.processes)]
-            log.info("fold.processes_started", processes=sorted(set(pids)))
+        try:
+            await self._fill()
+        except Exception as exc:  # the first fold tries again, and fails like any fold if it must
+            log.warning("fold.processes_not_started", error=f"{type(exc).__name__}: {exc}")
+        else:
+            log.info("fold.processes_started", processes=sorted(self.pids()))
 
     def pids(self) -> list[int]:
         """The children's process ids (none before the first fold)."""
-        procs = getattr(self._executor, "_processes", None) or {}
-        return [p.pid for p in procs.values() if p.pid is not None]
+        return [c.process.pid for c in self._children if c.process.pid is not None]
+
+    async def _fill(self) -> None:
+        """Start children until there are `processes` of them."""
+        if self._idle is None or self._starting is None:
+            self._idle, self._starting = asyncio.Queue(), asyncio.Lock()
+        async with self._starting:
+            while len(self._children) < self.processes and not self._closed:
+                parent, child = socket.socketpair()
+                try:
+                    process = self._context().Process(target=_serve_child, args=(child, self.settings),
+                                                      name="gateway-fold", daemon=True)
+                    try:
+                        # Forking through the fork server is a round trip of a few ms: not on the loop.
+                        await asyncio.to_thread(process.start)
+                    finally:
+                        child.close()
+                    reader, writer = await asyncio.open_connection(sock=parent)
+                except BaseException:
+                    parent.close()  # a child started all the same reads EOF and exits
+                    raise
+                started = _Process(process, reader, writer)
+                self._children.append(started)
+                self._idle.put_nowait(started)
+
+    async def _acquire(self) -> _Process:
+        while True:
+            if self._closed:
+                raise FoldProcessLost("the fold processes are stopped")
+            await self._fill()
+            assert self._idle is not None
+            child = await self._idle.get()
+            if child.process.is_alive():
+                return child
+            self._drop(child)  # died while idle (killed, out of memory): replaced before use
+
+    def _drop(self, child: _Process) -> None:
+        if child in self._children:
+            self._children.remove(child)
+        child.writer.close()
+        if child.process.is_alive():
+            child.process.kill()
+        # Reaped when it has exited; join() here would wait on the loop.
+        threading.Thread(target=child.process.join, name="fold-reap", daemon=True).start()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a child process; `fn` and the arguments must pickle (module-level functions)."""
-        executor = self._pool()
+        child = await self._acquire()
+        request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-        except BrokenProcessPool as exc:
-            if self._executor is executor:  # the first call to see it replaces the pool
-                self._executor = None
+            child.writer.write(_HEADER.pack(len(request)) + request)
+            await child.writer.drain()
+            header = await child.reader.readexactly(_HEADER.size)
+            ok, value = pickle.loads(await child.reader.readexactly(_HEADER.unpack(header)[0]))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            self._drop(child)
+            if not self._closed:
                 self.lost += 1
-                executor.shutdown(wait=False, cancel_futures=True)
                 log.warning("fold.process_lost", detail="a fold process died; the fold is retried in a new one")
             raise FoldProcessLost("the fold process died before answering") from exc
+        except BaseException:
+            # Cancelled mid-call (a fold the workers gave up on): its answer would reach the next
+            # call, so this child computes nothing more.
+            self._drop(child)
+            raise
+        assert self._idle is not None
+        self._idle.put_nowait(child)
+        if ok:
+            return value  # type: ignore[no-any-return]
+        raise value
 
     async def fold(self, text: str, aged: Sequence[Message], covers: int, state_key: str,
                    state_data: dict[str, Any] | None, state_version: int, now: str,
@@ -328,25 +437,24 @@ class ProcessCPU:
 
     async def close(self, grace: float = 10.0) -> None:
         """Stop the children: at once when idle, a running computation within `grace` seconds, else killed."""
+        self._closed = True
         if self._warming is not None:
             self._warming.cancel()
             with contextlib.suppress(BaseException):
                 await self._warming
             self._warming = None
-        executor, self._executor = self._executor, None
-        if executor is None:
-            return
-        children = list((getattr(executor, "_processes", None) or {}).values())
-        executor.shutdown(wait=False, cancel_futures=True)
+        children, self._children = self._children, []
+        for c in children:
+            c.writer.close()  # an idle child reads EOF and exits; a busy one after its answer
 
         def reap() -> None:
             deadline = time.monotonic() + grace
-            for p in children:
-                p.join(max(0.0, deadline - time.monotonic()))
-            for p in children:
-                if p.is_alive():  # a fold the workers gave up on after the grace period
-                    p.kill()
-                    p.join()
+            for c in children:
+                c.process.join(max(0.0, deadline - time.monotonic()))
+            for c in children:
+                if c.process.is_alive():  # a fold the workers gave up on after the grace period
+                    c.process.kill()
+                    c.process.join()
 
         await asyncio.to_thread(reap)
 

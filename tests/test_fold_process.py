@@ -4,14 +4,18 @@ process that serves requests, a child that dies loses no fold, and the gateway k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from memory_helpers import Chat, Gateway, memory_gateway, user_text
 
 from gateway.app import FOLDS, METRICS
+from gateway.config import parse_settings
 from gateway.foldcpu import FoldOutput, ProcessCPU
 
 
@@ -105,3 +109,26 @@ async def test_a_killed_fold_process_loses_no_fold_and_the_gateway_keeps_serving
         await g.settle()
         assert (await _summary(g, "after"))["summary"]["covers"] > 0
 
+
+
+async def test_a_call_cut_short_never_answers_the_next_one() -> None:
+    """A fold the workers gave up on (its call cancelled) leaves its process computing: that answer
+    must not reach the next call, which gets its own from a fresh process; a call that raises in the
+    child raises the same error here."""
+    cpu = ProcessCPU(parse_settings({}), 1)
+    try:
+        first = await cpu.call(os.getpid)
+        slow = asyncio.ensure_future(cpu.call(time.sleep, 2.0))  # answers None after 2 s
+        await asyncio.sleep(0.2)
+        slow.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await slow
+        pid = await asyncio.wait_for(cpu.call(os.getpid), 10)
+        assert isinstance(pid, int) and pid != first
+        with pytest.raises(ValueError, match="invalid literal"):
+            await cpu.call(int, "not a number")
+        assert await cpu.call(os.getpid) == pid  # an error in the call does not cost the process
+        assert cpu.lost == 0
+    finally:
+        await cpu.close(0.0)
+    assert cpu.pids() == []
