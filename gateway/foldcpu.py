@@ -318,7 +318,7 @@ class ProcessCPU:
         self.processes = processes
         self._ctx: Any = None
         self._children: list[_Process] = []
-        self._idle: asyncio.Queue[_Process] | None = None
+        self._idle: asyncio.Queue[_Process | None] | None = None  # None: stopped (passed on to the next waiter)
         self._starting: asyncio.Lock | None = None
         self._warming: asyncio.Task[None] | None = None
         self._closed = False
@@ -385,6 +385,9 @@ class ProcessCPU:
             await self._fill()
             assert self._idle is not None
             child = await self._idle.get()
+            if child is None:
+                self._idle.put_nowait(None)
+                raise FoldProcessLost("the fold processes are stopped")
             if child.process.is_alive():
                 return child
             self._drop(child)  # died while idle (killed, out of memory): replaced before use
@@ -400,8 +403,8 @@ class ProcessCPU:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a child process; `fn` and the arguments must pickle (module-level functions)."""
+        request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)  # before a child is taken
         child = await self._acquire()
-        request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             child.writer.write(_HEADER.pack(len(request)) + request)
             await child.writer.drain()
@@ -446,6 +449,8 @@ class ProcessCPU:
         children, self._children = self._children, []
         for c in children:
             c.writer.close()  # an idle child reads EOF and exits; a busy one after its answer
+        if self._idle is not None:
+            self._idle.put_nowait(None)  # a call still waiting for a child fails instead of waiting forever
 
         def reap() -> None:
             deadline = time.monotonic() + grace

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pickle
 import signal
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from memory_helpers import Chat, Gateway, memory_gateway, user_text
 
 from gateway.app import FOLDS, METRICS
 from gateway.config import parse_settings
-from gateway.foldcpu import FoldOutput, ProcessCPU
+from gateway.foldcpu import FoldOutput, FoldProcessLost, ProcessCPU
 
 
 def _processes(g: Gateway) -> ProcessCPU:
@@ -128,7 +129,28 @@ async def test_a_call_cut_short_never_answers_the_next_one() -> None:
         with pytest.raises(ValueError, match="invalid literal"):
             await cpu.call(int, "not a number")
         assert await cpu.call(os.getpid) == pid  # an error in the call does not cost the process
+        with pytest.raises((pickle.PicklingError, AttributeError)):
+            await cpu.call(lambda: 1)  # nothing that cannot travel is sent, nor holds a process
+        assert await asyncio.wait_for(cpu.call(os.getpid), 10) == pid
         assert cpu.lost == 0
     finally:
         await cpu.close(0.0)
     assert cpu.pids() == []
+
+
+async def test_stopping_the_fold_processes_fails_the_calls_still_waiting() -> None:
+    """Stopped with a call in hand and another waiting for the one process: both fail (the fold is
+    retried by whoever runs next), none waits forever, and the process is gone."""
+    cpu = ProcessCPU(parse_settings({}), 1)
+    pid = await cpu.call(os.getpid)
+    running = asyncio.ensure_future(cpu.call(time.sleep, 30.0))
+    waiting = asyncio.ensure_future(cpu.call(os.getpid))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await asyncio.wait_for(cpu.close(0.0), 10)
+    for call in (running, waiting):
+        with pytest.raises(FoldProcessLost):
+            await asyncio.wait_for(call, 10)
+    assert cpu.lost == 0  # stopped, not lost
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
