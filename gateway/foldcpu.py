@@ -219,10 +219,10 @@ def _start_child(settings: Settings) -> None:
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), name="fold-parent-watch", daemon=True).start()
     # A fold is background work: whenever the serving process (this child's parent) wants the CPU,
-    # it goes first. On a shared core, a child at nice +10 still held the loop back by 2-6 ms about
-    # once a fold (scripts/bench_fold_stall.py). Linux's SCHED_IDLE runs the child only on CPU time
-    # nothing else wants: a gateway kept at 100% CPU falls behind on folds, not on requests.
-    # Elsewhere, ten nice levels below the gateway; failing both, the same priority.
+    # it goes first. On a shared core a child at nice +10 still held the loop back about once a fold
+    # (scripts/bench_fold_stall.py); Linux's SCHED_IDLE runs it only on CPU time nothing else wants,
+    # so a gateway kept at 100% CPU falls behind on folds, not on requests. Elsewhere, ten nice
+    # levels below the gateway; failing both, the same priority.
     with contextlib.suppress(AttributeError, OSError):
         os.nice(10)
     with contextlib.suppress(AttributeError, OSError):
@@ -308,10 +308,10 @@ class ProcessCPU:
     """Fold CPU in `processes` child processes (`gateway serve`), started with the workers (`start`).
 
     Each child has one socket to this process, driven by the event loop: a call is pickled here
-    (a fold's messages without `raw`: ~0.15 ms for 50 of them), written, and its answer read when
-    it arrives. No thread of this process takes part. `ProcessPoolExecutor`'s manager and feeder
-    threads did, and on a busy CPU each hand-off then held the loop back by up to a few ms while
-    they ran (scripts/bench_fold_stall.py). A child answers one call at a time."""
+    (a fold's messages travel without `raw`), written, and its answer read when it arrives. No
+    thread of this process takes part. `ProcessPoolExecutor`'s manager and feeder threads did, and
+    on a busy CPU the loop waited for them at each hand-off (scripts/bench_fold_stall.py). A child
+    answers one call at a time."""
 
     def __init__(self, settings: Settings, processes: int) -> None:
         self.settings = settings
