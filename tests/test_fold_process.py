@@ -111,11 +111,10 @@ async def test_a_killed_fold_process_loses_no_fold_and_the_gateway_keeps_serving
         assert (await _summary(g, "after"))["summary"]["covers"] > 0
 
 
-
 async def test_a_call_cut_short_never_answers_the_next_one() -> None:
-    """A fold the workers gave up on (its call cancelled) leaves its process computing: that answer
-    must not reach the next call, which gets its own from a fresh process; a call that raises in the
-    child raises the same error here."""
+    """A call cancelled mid-computation (a fold the workers gave up on): its answer never reaches the
+    next call, which does not wait for it either (a fresh process answers). A call that raises in the
+    child raises the same error here, and one that cannot be sent fails without holding a process."""
     cpu = ProcessCPU(parse_settings({}), 1)
     try:
         first = await cpu.call(os.getpid)
