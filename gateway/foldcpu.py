@@ -245,12 +245,6 @@ def _child() -> LocalFold:
     return _CHILD
 
 
-def child_pid() -> int:
-    """A call that only makes sure the child is started and initialised."""
-    _child()
-    return os.getpid()
-
-
 def child_fold(text: str, aged: Sequence[Message], covers: int, state_key: str,
                state_data: dict[str, Any] | None, state_version: int, now: str,
                conversation: str = "") -> FoldOutput:
