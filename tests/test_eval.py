@@ -197,13 +197,21 @@ async def test_settle_lets_each_turns_folds_finish_before_the_next_turn() -> Non
 
 async def test_dump_and_new_metrics_leave_the_existing_figures_unchanged(tmp_path: Path) -> None:
     """Dumping and the added metrics change none of the figures the eval reported before (settled,
-    the gateway's tokens and bill too: no background fold lands between two turns at a varying time)."""
+    the gateway's tokens and bill too: no background fold lands between two turns at a varying time).
+    The messages carry their own times: without them the gateway stamps its clock at arrival, the
+    timeline and excerpt headers quote it, and two runs a minute boundary apart differ in tokens."""
     recall_keys = ("probes", "evidence_recall", "answer_recall")
     probe_keys = (*recall_keys, "tokens_ratio", "mean_tokens")
     cost_keys = ("cost_ratio_warm", "cost_ratio_timed")
-    plain = (await run_eval(settings(), [_fact_conversation()], settle=True, progress=False))["strategies"]
-    dumped = (await run_eval(settings(), [_fact_conversation()], settle=True, progress=False,
-                             dump=tmp_path))["strategies"]
+
+    def timed() -> dict[str, Any]:
+        conv = _fact_conversation()
+        for i, m in enumerate(conv["messages"]):
+            m["time"] = f"2024-03-02T10:{i // 2:02d}:00"
+        return conv
+
+    plain = (await run_eval(settings(), [timed()], settle=True, progress=False))["strategies"]
+    dumped = (await run_eval(settings(), [timed()], settle=True, progress=False, dump=tmp_path))["strategies"]
     for name in plain:
         keys = probe_keys + cost_keys
         assert {k: plain[name][k] for k in keys} == {k: dumped[name][k] for k in keys}
