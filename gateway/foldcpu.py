@@ -353,6 +353,8 @@ class ProcessCPU:
         """Start children until there are `processes` of them."""
         if self._idle is None or self._starting is None:
             self._idle, self._starting = asyncio.Queue(), asyncio.Lock()
+        if len(self._children) >= self.processes:
+            return  # the usual case, every call: no lock to take
         async with self._starting:
             while len(self._children) < self.processes and not self._closed:
                 parent, child = socket.socketpair()
@@ -404,7 +406,7 @@ class ProcessCPU:
             await child.writer.drain()
             header = await child.reader.readexactly(_HEADER.size)
             ok, value = pickle.loads(await child.reader.readexactly(_HEADER.unpack(header)[0]))
-        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        except (asyncio.IncompleteReadError, OSError) as exc:  # OSError: ConnectionError too
             self._drop(child)
             if not self._closed:
                 self.lost += 1
