@@ -95,7 +95,7 @@ class Follower:
                     self.views.put(other, replace(known, state=ledger, state_version=version))
 
     def expect(self, ref: ConvRef, decision: Decision, loaded: ConversationView, turns: list[Message], *,
-               dialect: str, stats: dict[str, int]) -> tuple[str, ConversationView] | None:
+               dialect: str, stats: dict[str, int], client: str = "") -> tuple[str, ConversationView] | None:
         """Know the view a record of `turns` will leave, before the store confirms it.
 
         Only a record that appends right after a view this process holds can be known: the chain
@@ -115,7 +115,7 @@ class Follower:
         for t, c in zip(turns, chained, strict=True):
             t.chain = c
         views.put(ref, advance(base, turns, dialect=dialect, last_chain=chained[-1], keep_initial=self.keep_initial,
-                               stats=stats, fold_pending=base.fold_pending))
+                               stats=stats, fold_pending=base.fold_pending, client=client or base.client))
         return chained[-1], base
 
     async def settle(self, ref: ConvRef, turns: list[Message], result: AppendResult | None,

@@ -45,6 +45,7 @@ META_FIRST_HASH = "f"  # content hash of message 0
 META_LAST_CHAIN = "l"  # chain hash of the last message
 META_TOKENS = "k"  # tokens of all stored messages
 META_FOLD_QUEUED = "q"  # when a fold job was queued (ms since the epoch); absent: none queued
+META_CLIENT = "h"  # "full" or "delta": how its client was seen to send its history (history mode auto)
 # <T>:summary
 SUMMARY_VERSION = "v"  # bumped by every commit, edit or drop; folds commit by CAS on it
 SUMMARY_TEXT = "x"

@@ -91,7 +91,7 @@ LOAD = TOUCH + """
 local head, ttl, sk = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local len = redis.call('LLEN', KEYS[3])
 local meta = redis.call('HMGET', KEYS[1], '${META_DIALECT}', '${META_FIRST_HASH}', '${META_LAST_CHAIN}',
-                        '${META_TOKENS}', '${META_FOLD_QUEUED}')
+                        '${META_TOKENS}', '${META_FOLD_QUEUED}', '${META_CLIENT}')
 local summ = redis.call('HMGET', KEYS[4], '${SUMMARY_VERSION}', '${SUMMARY_TEXT}', '${SUMMARY_COVERS}',
                         '${SUMMARY_TOKENS}', '${SUMMARY_CHAIN}')
 local covers = 0
@@ -112,11 +112,12 @@ return {len, meta, summ, state, first, tail, redis.call('HGETALL', KEYS[5]), cov
 
 # KEYS: the conversation keys (+ 9: project state, as for LOAD).
 # ARGV: ttl, base_length, base_chain, dialect, state index (see BASE), own (how many of the run's
-# last turns are the request's own: its new turn and the reply, not history it resent), stats (see
-# STATS, from ARGV[7]), then (hash, record) pairs: the run of turns to store after message base_length-1.
+# last turns are the request's own: its new turn and the reply, not history it resent), the client's
+# history style seen by this request ("" when it shows none), stats (see STATS, from ARGV[8]), then
+# (hash, record) pairs: the run of turns to store after message base_length-1.
 APPEND = TOUCH + STATS + PUSH + BASE + """
 local ttl, base, bchain, sk, own = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]), tonumber(ARGV[6])
-local off = add_stats(ttl, 7)
+local off = add_stats(ttl, 8)
 local n = (#ARGV - off + 1) / 2
 local len = redis.call('LLEN', KEYS[3])
 if not on_base(len, base, bchain) then return refused(len, sk) end
@@ -164,6 +165,7 @@ end
 local last, tokens = push(prev, first, m)
 if len == 0 then redis.call('HSET', KEYS[1], '${META_FIRST_HASH}', ARGV[off]) end
 redis.call('HSET', KEYS[1], '${META_DIALECT}', ARGV[4], '${META_LAST_CHAIN}', last)
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], '${META_CLIENT}', ARGV[7]) end
 redis.call('HINCRBY', KEYS[1], '${META_TOKENS}', tokens)
 touch(ttl)
 return answer(1, len + m, m, '', last, len, sk)

@@ -36,7 +36,7 @@ from gateway.keys import ConvRef
 from gateway.model import ConversationView, Message, Plan, Usage
 from gateway.proxy import Call, GatewayError, Prepared
 from gateway.recall import RecallCache
-from gateway.reconcile import AUTO_DELTA_MAX, Decision, HistoryMode, chain_hashes, reconcile
+from gateway.reconcile import AUTO_DELTA_MAX, Decision, HistoryMode, chain_hashes, reconcile, shown_style
 from gateway.store import AppendResult, Store, StoreBusy, StoreUnavailable, patient
 from gateway.tokens import TokenCounter
 
@@ -646,8 +646,10 @@ class Memory:
         dialect, decision, view, ref = req.dialect, req.decision, req.view, req.ref
         result: AppendResult | None
         if decision.action in ("new", "extend", "delta"):
+            style = shown_style(decision, self.settings.conversation.history)
             result = await self.store.append(ref, turns, base_length=decision.base, base_chain=decision.base_chain,
-                                             dialect=dialect.name, stats=stats, own=_own(req.new_messages, reply))
+                                             dialect=dialect.name, stats=stats, own=_own(req.new_messages, reply),
+                                             client="" if style == view.client else style)
         elif decision.action == "prefix":
             stored_next = decision.base - view.tail_start
             same = bool(0 <= stored_next < len(view.tail) and reply
@@ -703,7 +705,8 @@ class Memory:
                       "summarizer_tokens_charged": req.summarizer_charge}
         # The view this record leaves, known before the store answers: the conversation's next
         # request may arrive first (its client has the reply already).
-        expected = self.follower.expect(ref, req.decision, req.view, turns, dialect=dialect.name, stats=stats)
+        expected = self.follower.expect(ref, req.decision, req.view, turns, dialect=dialect.name, stats=stats,
+                                        client=shown_style(req.decision, self.settings.conversation.history))
         storing = self.caches.writes.storing(conv, len(turns), replied)
         stored = False
         try:

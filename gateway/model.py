@@ -63,6 +63,7 @@ class ConversationView:
     stats: dict[str, int] = field(default_factory=dict)
     fold_pending: bool = False
     summary_version: int = 0  # bumped by every fold commit, edit or drop, also while there is no summary
+    client: str | None = None  # "full" / "delta": how its client was seen to send its history (reconcile.py)
 
 
 @dataclass(slots=True)

@@ -48,6 +48,17 @@ class Decision:
     base_chain: str = ""
 
 
+def shown_style(decision: Decision, configured: HistoryMode) -> str:
+    """How a request in history mode auto shows its client sends its history, to keep with the
+    conversation: "full" when it resent two or more stored messages and added to them (a delta client
+    never resends a stored reply), "delta" when it was taken for new turns only; "" otherwise."""
+    if configured != "auto":
+        return ""
+    if decision.action == "extend" and decision.base >= 2:
+        return "full"
+    return "delta" if decision.action == "delta" else ""
+
+
 def _known_chains(view: ConversationView, stored_chains: Sequence[str] | None) -> dict[int, str]:
     """Stored chain hashes by position, from whatever the load brought back."""
     if stored_chains is not None:
@@ -76,9 +87,13 @@ def reconcile(
     """Decide how the request's messages (content hashes + their chains) relate to the stored ones.
 
     - "new": nothing stored yet. Every incoming message is new (base 0, new_from 0).
-    - "delta": the client sends only its new turns (mode "delta"; or mode "auto" when incoming[0]
-      differs from the stored message 0 and the request is short: at most AUTO_DELTA_MAX messages
-      and fewer than stored). They go after the stored history: base = view.length, new_from = 0.
+    - "delta": the client sends only its new turns (mode "delta"; or mode "auto" when the request is
+      short, at most AUTO_DELTA_MAX messages and fewer than stored, and either incoming[0] differs
+      from the stored message 0 or the client's last request that showed its style was a delta
+      (`view.client`, see `shown_style`). They go after the stored history: base = view.length,
+      new_from = 0. So a delta client can repeat its first message ("hi") without that being taken
+      for a regenerate of the conversation's first reply, and a client that sent its whole history
+      once (importing a conversation) can go on with deltas.
       A longer request that does not start like the stored conversation is a full history that
       replaces it (a branch at 0): appending it would duplicate a whole history on every request
       of a client that reused a conversation id or edited its first message.
@@ -106,8 +121,8 @@ def reconcile(
     if length == 0:
         return Decision("new", base=0, new_from=0)
     last = view.last_chain or ""
-    if m == 0 or mode == "delta" or (
-            mode == "auto" and incoming[0] != view.first_hash and m < length and m <= AUTO_DELTA_MAX):
+    if m == 0 or mode == "delta" or (mode == "auto" and m < length and m <= AUTO_DELTA_MAX and (
+            incoming[0] != view.first_hash or view.client == "delta")):
         return Decision("delta", base=length, new_from=0, base_chain=last)
 
     if m > length and incoming_chains[length - 1] == last:

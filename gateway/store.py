@@ -289,6 +289,7 @@ class Store:
             stats={k.decode(): int(v) for k, v in zip(stats[::2], stats[1::2], strict=True)},
             fold_pending=_fresh_flag(meta[4]),
             summary_version=int(summ[0] or 0),
+            client=_s(meta[5]),
         )
 
     def _write_keys(self, ref: ConvRef) -> tuple[list[str], int]:
@@ -302,7 +303,8 @@ class Store:
         return keys, 9
 
     async def append(self, ref: ConvRef, turns: list[Message], *, base_length: int, base_chain: str,
-                     dialect: str, stats: Mapping[str, int] | None = None, own: int | None = None) -> AppendResult:
+                     dialect: str, stats: Mapping[str, int] | None = None, own: int | None = None,
+                     client: str = "") -> AppendResult:
         """Store `turns` after message base_length-1, if it has chain base_chain.
 
         Turns of the run already stored right after the base are skipped (the caller's base was
@@ -310,11 +312,13 @@ class Store:
         base), but only the last `own` of them (the request's new turn and reply; None: all): a run
         with more is refused (reason "branched"), its resent history not being what is stored. A run
         already stored anywhere after the base stores nothing (a retry).
-        `stats`: increments added to the conversation's stats in the same call, stored or not."""
+        `stats`: increments added to the conversation's stats in the same call, stored or not.
+        `client`: "full" or "delta", how the conversation's client sends its history, when this request
+        shows it (kept with the conversation once turns are stored; reconcile.py reads it)."""
         if base_length < 0:
             raise ValueError("base_length must be >= 0")
         keys, sk = self._write_keys(ref)
-        args = [self.ttl, base_length, base_chain, dialect, sk, len(turns) if own is None else own,
+        args = [self.ttl, base_length, base_chain, dialect, sk, len(turns) if own is None else own, client,
                 *_stat_args(stats), *_turn_args(turns)]
         with _guard:
             res = await self._append(keys=keys, args=args)

@@ -116,9 +116,11 @@ class KnownViews:
 
 
 def advance(view: ConversationView, turns: Sequence[Message], *, dialect: str, last_chain: str,
-            keep_initial: int, stats: Mapping[str, int], fold_pending: bool) -> ConversationView:
+            keep_initial: int, stats: Mapping[str, int], fold_pending: bool,
+            client: str | None = None) -> ConversationView:
     """The view once `turns` (their chains set) are stored right after `view`'s last message, with
-    `stats` added. Pure. `view.head` holds messages [0, min(keep_initial, view.length)), as loaded."""
+    `stats` added, its client's history style `client` when given. Pure. `view.head` holds messages
+    [0, min(keep_initial, view.length)), as loaded."""
     length = view.length + len(turns)
     head = view.head
     if len(head) < min(keep_initial, length):
@@ -130,7 +132,7 @@ def advance(view: ConversationView, turns: Sequence[Message], *, dialect: str, l
         view, length=length, dialect=dialect, last_chain=last_chain, head=head,
         first_hash=view.first_hash if view.length else (turns[0].hash if turns else None),
         tail=[*view.tail, *turns], tokens_total=view.tokens_total + sum(t.tokens for t in turns),
-        stats=merged, fold_pending=fold_pending)
+        stats=merged, fold_pending=fold_pending, client=client or view.client)
 
 
 def rebase(known: ConversationView, loaded: ConversationView) -> ConversationView | None:

@@ -169,3 +169,25 @@ async def test_branch_inside_the_summary_drops_it(gw: Gateway, dialect: str) -> 
     _, info = await gw.api("GET", "drop")
     assert info["summary"] is not None and "Turn 3:" not in info["summary"]["text"]
     assert plain(await chat.stored()) == msgs
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_a_delta_client_repeating_its_first_message_is_not_taken_for_a_regenerate(
+        redis_url: str, dialect: str) -> None:
+    """Auto mode: a client that has been sending only its new turns, and now sends its first message
+    again ("hi", "continue"), gets that turn appended, not the conversation rewound to its start;
+    also on a replica that has not served the conversation before (what it knows comes from Redis)."""
+    logical: list[dict[str, Any]] = []
+    async with memory_gateway(redis_url) as one, memory_gateway(redis_url) as other:
+        for g, text in ((one, "hi"), (one, user_text(1)), (one, user_text(2)), (one, "hi"), (other, "hi")):
+            g.fake.responder = reply_text
+            chat = Chat(g, dialect, "again")
+            new = {"role": "user", "content": text}
+            _, answer = await chat.send([new])
+            forwarded = plain(chat.forwarded())
+            if g is one:
+                assert forwarded == [*logical, new]
+            else:  # new to this replica's cost model, so possibly rewritten: never the first turn alone
+                assert forwarded[-1] == new and len(forwarded) > 1
+            logical += [new, {"role": "assistant", "content": answer}]
+        assert plain(await chat.stored()) == logical

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.model import ConversationView, Message, Summary
-from gateway.reconcile import chain_hashes, reconcile
+from gateway.reconcile import Decision, chain_hashes, reconcile, shown_style
 
 
 def h(label: str) -> str:
@@ -144,6 +145,31 @@ def test_auto_mode_never_appends_a_whole_foreign_history() -> None:
     inc = [h(f"other{i}") for i in range(20)]
     d = reconcile(inc, chain_hashes(inc), view_of(stored), "auto")
     assert (d.action, d.branch_at) == ("branch", 0)
+
+
+def test_auto_mode_reads_a_repeated_first_message_by_how_the_client_was_seen_sending() -> None:
+    """The first message sent again alone: a regenerate of its reply from a client seen resending
+    its history (or not seen yet), a new turn from a client seen sending deltas."""
+    inc = STORED[:1]
+    for client, action in ((None, "prefix"), ("full", "prefix"), ("delta", "delta")):
+        d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client=client), "auto")
+        assert d.action == action, client
+    # A client seen sending deltas that sends a long whole history again is still read by its chain.
+    inc = [*STORED, h("u10")]
+    d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client="delta"), "auto")
+    assert (d.action, d.base) == ("extend", 10)
+
+
+def test_what_a_request_shows_of_its_client() -> None:
+    """Resending two or more stored messages shows a full-history client; a delta, a delta client;
+    nothing else shows either, and only history mode auto keeps it."""
+    extend = Decision("extend", base=10, new_from=10)
+    assert shown_style(extend, "auto") == "full"
+    assert shown_style(Decision("extend", base=1, new_from=1), "auto") == ""
+    assert shown_style(Decision("delta", base=10, new_from=0), "auto") == "delta"
+    assert shown_style(Decision("new", base=0, new_from=0), "auto") == ""
+    assert shown_style(Decision("prefix", base=5, new_from=5), "auto") == ""
+    assert shown_style(extend, "full") == shown_style(Decision("delta", base=10, new_from=0), "delta") == ""
 
 
 def test_delta_mode_always_appends() -> None:

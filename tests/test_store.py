@@ -296,6 +296,26 @@ async def test_time_is_kept(store: Store) -> None:
     assert (await store.messages(REF))[0].time == "2023-05-08T13:56:00"
 
 
+async def test_the_clients_history_style_is_kept_until_a_request_shows_another(store: Store) -> None:
+    """What a request showed of how its client sends history is loaded with the conversation (the
+    next request, on any replica, reconciles with it); an append that shows nothing keeps it."""
+    assert (await store.load(REF)).client is None
+    first = turns("a", 2)
+    await store.append(REF, first, base_length=0, base_chain="", dialect="openai_chat")
+    assert (await store.load(REF)).client is None
+    chains = chain_hashes([t.hash for t in first])
+    await store.append(REF, turns("b", 2), base_length=2, base_chain=chains[-1], dialect="openai_chat",
+                       client="delta")
+    view = await store.load(REF)
+    assert (view.client, view.length) == ("delta", 4)
+    await store.append(REF, turns("c", 2), base_length=4, base_chain=view.last_chain or "", dialect="openai_chat")
+    view = await store.load(REF)
+    assert (view.client, view.length) == ("delta", 6)
+    await store.append(REF, turns("d", 2), base_length=6, base_chain=view.last_chain or "", dialect="openai_chat",
+                       client="full")
+    assert (await store.load(REF)).client == "full"
+
+
 async def test_messages_ranges(store: Store) -> None:
     """messages(start, stop) returns the half-open range [start, stop)."""
     await fill(store, REF, turns("m", 6))
