@@ -3,7 +3,8 @@
 Starts the fake upstream (`python -m gateway.testing --latency-ms 20`) and `gateway serve` each in
 its own process, then sends chat completions at fixed concurrency, straight to the fake and through
 the gateway, streamed and not, and prints per-percentile added latency (gateway minus direct),
-requests/s, the gateway's CPU per request and its own time per request (`gateway_ms` from its log).
+requests/s, the gateway's CPU per request and its own time per request (`gateway_ms` from its log);
+with a Redis store, also that redis-server's CPU and commands per timed request.
 Direct and gateway runs alternate in `--rounds` blocks, so drift on a shared machine hits both.
 
     python scripts/bench_overhead.py                         # memory off: 2000 requests, concurrency 1, 10, 50
@@ -247,6 +248,7 @@ class Cell:
     reference: Run = field(default_factory=Run)  # the bare relay (--reference)
     ref_cpu: float = 0.0
     own: list[float] = field(default_factory=list)
+    redis: Counter[str] = field(default_factory=Counter)  # per command during the timed blocks; "cpu": its seconds
 
     def row(self, mode: str, conc: int, memory: bool, *, reference: bool = False) -> str:
         d, g = self.direct, self.reference if reference else self.gateway
@@ -259,6 +261,11 @@ class Cell:
             mode += "+ref"
         ctx = " | " + ", ".join(f"{k} {v}" for k, v in sorted(g.contexts.items())) if memory and not reference else ""
         worker = f" | worker CPU/req {self.cpu[1] / n * 1000:.2f}ms" if len(self.cpu) > 1 and not reference else ""
+        if self.redis and not reference:
+            calls = sorted(((v, k) for k, v in self.redis.items() if k != "cpu"), reverse=True)[:4]
+            worker += (f" | redis CPU/req {self.redis['cpu'] / n * 1000:.2f}ms, commands/req (Lua's own counted) "
+                       f"{sum(v for k, v in self.redis.items() if k != 'cpu') / n:.1f} ("
+                       + ", ".join(f"{k} {v / n:.1f}" for v, k in calls) + ")")
         return (f"{mode:<10}{conc:>5}{self.turns:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
                 f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
                 f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
@@ -284,6 +291,21 @@ async def folds_settled(store_url: str, within: float = 60.0) -> None:
             await asyncio.sleep(0.05)
     finally:
         await client.aclose()
+
+
+async def redis_counts(store_url: str) -> Counter[str]:
+    """Commands served and CPU seconds of the store's redis-server so far (shared with whatever else uses it)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(store_url)
+    try:
+        cmds = await client.info("commandstats")
+        cpu = await client.info("cpu")
+    finally:
+        await client.aclose()
+    out: Counter[str] = Counter({k.removeprefix("cmdstat_"): v["calls"] for k, v in cmds.items()})
+    out["cpu"] = cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+    return out
 
 
 async def wait_up(url: str, proc: subprocess.Popen[bytes]) -> None:
@@ -452,9 +474,12 @@ async def main() -> None:
                                 await folds_settled(args.store)  # those the warm-up requests queued
                             await asyncio.sleep(0.2)  # their log lines are written in batches too
                         gw_log.mark()
+                        redis0 = await redis_counts(args.store) if args.store.startswith("redis") else None
                         cpu0 = [cpu_seconds(pr.pid) for pr in procs]
                         c.gateway.add(await load(proxied, c.g_work, per_round, conc))
                         c.cpu = [x + cpu_seconds(pr.pid) - x0 for x, x0, pr in zip(c.cpu, cpu0, procs, strict=True)]
+                        if redis0 is not None:
+                            c.redis.update((await redis_counts(args.store)) - redis0)
                         await asyncio.sleep(0.2)  # the log is written in batches
                         c.own += gw_log.since_mark()
                         if memory and folding:
