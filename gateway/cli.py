@@ -93,9 +93,14 @@ async def _freeze_startup_heap(app: web.Application) -> None:
 
     A full collection walks every tracked object, and it runs on the event loop: with the start-up
     heap in it, each one paused all requests for ~25-55 ms in the overhead bench. What start-up
-    built lives as long as the process, so collections never need to see it (`gc.freeze`)."""
+    built lives as long as the process, so collections never need to see it (`gc.freeze`).
+
+    The thresholds go up from CPython's (700, 10, 10): a request parses a body of hundreds of
+    messages, so the default ran a young collection several times per request, each walking that
+    live body, and every 100th of them a full one over the caches (docs/architecture.md, Limits)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(7_000, 20, 20)
 
 
 def serve(args: argparse.Namespace) -> int:
