@@ -168,7 +168,12 @@ def _resends_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
     than the stored one: a client's fork), not a delta client's new turns: those are its user
     message or tool results, the replies being stored already. Storing it after the stored history
     would store its resent turns twice. Only short requests can be taken for deltas: bounded."""
-    return len(history) <= AUTO_DELTA_MAX and any(dialect.role(m) == "assistant" for m in history)
+    return len(history) <= AUTO_DELTA_MAX and _carries_a_reply(dialect, history)
+
+
+def _carries_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
+    """An assistant message is in the request (a whole history has one at its second message)."""
+    return any(dialect.role(m) == "assistant" for m in history)
 
 
 def _sent(req: _Request) -> str:
@@ -351,7 +356,8 @@ class Memory:
             try:
                 view = await self.store.load(ref, head=mem.keep_initial)
                 if view.dialect in (None, dialect.name):
-                    decision = await self._decide(ref, hashes, chains, view, arrived, full=full)
+                    decision = await self._decide(ref, hashes, chains, view, arrived, full=full,
+                                                  replies=_carries_a_reply(dialect, history))
             except StoreUnavailable as exc:
                 return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when)
         if view.dialect is not None and view.dialect != dialect.name:
@@ -412,14 +418,20 @@ class Memory:
         return view, decision
 
     async def _decide(self, ref: ConvRef, hashes: list[str], chains: list[str], view: ConversationView,
-                      arrived: float, *, siblings: bool = True, full: bool = False) -> Decision:
+                      arrived: float, *, siblings: bool = True, full: bool = False, replies: bool = True) -> Decision:
         """Reconcile the request with a view just loaded (reading the stored chains when needed);
         `siblings` False: a diverging history is a branch, whatever the timing; `full`: the request
-        is a whole history (`_resends_a_reply`), never a delta."""
+        is a whole history (`_resends_a_reply`), never a delta; `replies`: it carries an assistant
+        message (`_carries_a_reply`)."""
         mode = self._mode(full)
         decision = reconcile(hashes, chains, view, mode)
         if decision.action == "need_chains":
             decision = reconcile(hashes, chains, view, mode, stored_chains=await self.store.chains(ref))
+        if (decision.action == "branch" and not replies and view.client == "delta"
+                and self.settings.conversation.history == "auto"):
+            # A client seen sending only its new turns sends several at once (tool results, queued
+            # user messages): with no reply among them it is not a whole history that diverged.
+            decision = Decision("delta", base=view.length, new_from=0, base_chain=view.last_chain or "")
         writes = self.caches.writes
         if (siblings and decision.action == "branch"
                 and writes.siblings(conv_key(ref), decision.base, view.length, arrived)):
@@ -615,7 +627,8 @@ class Memory:
                 return
             decision = await self._decide(ref, late.hashes, late.chains, view, late.arrived,
                                           siblings=attempt < RECORD_ATTEMPTS - 1,
-                                          full=_resends_a_reply(dialect, late.incoming))
+                                          full=_resends_a_reply(dialect, late.incoming),
+                                          replies=_carries_a_reply(dialect, late.incoming))
             req = await self._logical(ref, dialect, late.model, view, decision, late.incoming, late.hashes,
                                       late.chains, late.sent)
             req.plan, req.summarizer_charge, req.arrived = late.plan, late.summarizer_charge, late.arrived
@@ -759,7 +772,8 @@ class Memory:
         """Decide and store the request's turns again, on what the store holds now."""
         view = await self.store.load(req.ref, head=self.settings.memory.keep_initial)
         decision = await self._decide(req.ref, req.hashes, req.chains, view, req.arrived, siblings=siblings,
-                                      full=_resends_a_reply(req.dialect, req.incoming))
+                                      full=_resends_a_reply(req.dialect, req.incoming),
+                                      replies=_carries_a_reply(req.dialect, req.incoming))
         again = await self._logical(req.ref, req.dialect, req.model, view, decision, req.incoming, req.hashes,
                                     req.chains, req.when)
         again.plan, again.summarizer_charge, again.arrived = req.plan, req.summarizer_charge, req.arrived

@@ -191,3 +191,19 @@ async def test_a_delta_client_repeating_its_first_message_is_not_taken_for_a_reg
                 assert forwarded[-1] == new and len(forwarded) > 1
             logical += [new, {"role": "assistant", "content": answer}]
         assert plain(await chat.stored()) == logical
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_a_delta_client_sending_several_new_messages_at_once_gets_them_appended(
+        gw_redis: Gateway, dialect: str) -> None:  # noqa: F811
+    """Auto mode: a client seen sending only its new turns that sends more of them at once than a
+    short request holds (queued user messages) gets them stored after its conversation, not taken
+    for a whole history that replaces it."""
+    gw_redis.fake.responder = reply_text
+    chat, logical = Chat(gw_redis, dialect, "batch"), []
+    for batch in ([user_text(0)], [user_text(1)], [user_text(i) for i in range(2, 8)]):
+        new = [{"role": "user", "content": text} for text in batch]
+        _, answer = await chat.send(new)
+        assert plain(chat.forwarded()) == [*logical, *new]
+        logical += [*new, {"role": "assistant", "content": answer}]
+    assert plain(await chat.stored()) == logical
