@@ -172,7 +172,8 @@ def _resends_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
 
 
 def _carries_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
-    """An assistant message is in the request (a whole history has one at its second message)."""
+    """An assistant message is in the request (a whole history has one at its second message, so
+    this stops there): reconcile's `replies`."""
     return any(dialect.role(m) == "assistant" for m in history)
 
 
@@ -349,15 +350,14 @@ class Memory:
         arrived = time.monotonic()
         when = _client_time(call.headers)
         hashes, chains = self.caches.hashes(ref, dialect, history, partial(_check, dialect, call.body, history))
-        full = _resends_a_reply(dialect, history)
-        view, decision = self._from_known(ref, dialect, hashes, chains, full=full)
+        full, replies = _resends_a_reply(dialect, history), _carries_a_reply(dialect, history)
+        view, decision = self._from_known(ref, dialect, hashes, chains, full=full, replies=replies)
         known = view is not None
         if view is None:
             try:
                 view = await self.store.load(ref, head=mem.keep_initial)
                 if view.dialect in (None, dialect.name):
-                    decision = await self._decide(ref, hashes, chains, view, arrived, full=full,
-                                                  replies=_carries_a_reply(dialect, history))
+                    decision = await self._decide(ref, hashes, chains, view, arrived, full=full, replies=replies)
             except StoreUnavailable as exc:
                 return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when)
         if view.dialect is not None and view.dialect != dialect.name:
@@ -407,12 +407,12 @@ class Memory:
         return "full" if full and mode == "auto" else mode
 
     def _from_known(self, ref: ConvRef, dialect: Dialect, hashes: list[str], chains: list[str], *,
-                    full: bool) -> tuple[ConversationView | None, Decision | None]:
+                    full: bool, replies: bool) -> tuple[ConversationView | None, Decision | None]:
         """The view this process knows, when the request simply goes on from it (views.py)."""
         view = self.caches.views.get(ref)
         if view is None or view.dialect not in (None, dialect.name):
             return None, None
-        decision = reconcile(hashes, chains, view, self._mode(full))
+        decision = reconcile(hashes, chains, view, self._mode(full), replies=replies)
         if decision.action not in ("extend", "delta"):
             return None, None  # a retry, an edit, a regenerate: decided on what the store holds now
         return view, decision
@@ -424,14 +424,10 @@ class Memory:
         is a whole history (`_resends_a_reply`), never a delta; `replies`: it carries an assistant
         message (`_carries_a_reply`)."""
         mode = self._mode(full)
-        decision = reconcile(hashes, chains, view, mode)
+        decision = reconcile(hashes, chains, view, mode, replies=replies)
         if decision.action == "need_chains":
-            decision = reconcile(hashes, chains, view, mode, stored_chains=await self.store.chains(ref))
-        if (decision.action == "branch" and not replies and view.client == "delta"
-                and self.settings.conversation.history == "auto"):
-            # A client seen sending only its new turns sends several at once (tool results, queued
-            # user messages): with no reply among them it is not a whole history that diverged.
-            decision = Decision("delta", base=view.length, new_from=0, base_chain=view.last_chain or "")
+            decision = reconcile(hashes, chains, view, mode, stored_chains=await self.store.chains(ref),
+                                 replies=replies)
         writes = self.caches.writes
         if (siblings and decision.action == "branch"
                 and writes.siblings(conv_key(ref), decision.base, view.length, arrived)):

@@ -83,6 +83,8 @@ def reconcile(
     view: ConversationView,
     mode: HistoryMode = "auto",
     stored_chains: Sequence[str] | None = None,
+    *,
+    replies: bool = True,
 ) -> Decision:
     """Decide how the request's messages (content hashes + their chains) relate to the stored ones.
 
@@ -93,7 +95,10 @@ def reconcile(
       (`view.client`, see `shown_style`). They go after the stored history: base = view.length,
       new_from = 0. So a delta client can repeat its first message ("hi") without that being taken
       for a regenerate of the conversation's first reply, and a client that sent its whole history
-      once (importing a conversation) can go on with deltas.
+      once (importing a conversation) can go on with deltas. In mode "auto" a request from a client
+      last seen sending deltas that carries no assistant message (`replies` False) and is neither an
+      extend nor a prefix is a delta too: several new turns at once (queued user messages, tool
+      results), not a whole history that diverged, which carries the replies the gateway stored.
       A longer request that does not start like the stored conversation is a full history that
       replaces it (a branch at 0): appending it would duplicate a whole history on every request
       of a client that reused a conversation id or edited its first message.
@@ -132,6 +137,8 @@ def reconcile(
     n = min(m, length)
     if m <= length and known.get(m - 1) == incoming_chains[m - 1]:
         return Decision("prefix", base=m, new_from=m, base_chain=incoming_chains[m - 1])
+    if mode == "auto" and not replies and view.client == "delta":
+        return Decision("delta", base=length, new_from=0, base_chain=last)
 
     # Divergence at some position < n. Matches form a prefix, so the common prefix length is one past
     # the last known matching position, provided the next position is known (and so mismatches).

@@ -160,6 +160,20 @@ def test_auto_mode_reads_a_repeated_first_message_by_how_the_client_was_seen_sen
     assert (d.action, d.base) == ("extend", 10)
 
 
+def test_a_delta_client_sending_several_turns_at_once_is_a_delta() -> None:
+    """Auto mode, more messages than a short request holds and none of them a reply: new turns from a
+    client last seen sending deltas; from any other, a whole history that diverged (a branch)."""
+    inc = [h(f"new{i}") for i in range(6)]
+    for client, action in ((None, "branch"), ("full", "branch"), ("delta", "delta")):
+        d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client=client), "auto", replies=False)
+        assert d.action == action, client
+    d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client="delta"), "auto")
+    assert d.action == "branch"  # with a reply among them it is a whole history
+    inc = [*STORED, h("u10")]
+    d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client="delta"), "auto", replies=False)
+    assert d.action == "extend"
+
+
 def test_what_a_request_shows_of_its_client() -> None:
     """Resending two or more stored messages shows a full-history client; a delta, a delta client;
     nothing else shows either, and only history mode auto keeps it."""
