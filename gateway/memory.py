@@ -36,7 +36,7 @@ from gateway.keys import ConvRef
 from gateway.model import ConversationView, Message, Plan, Usage
 from gateway.proxy import Call, GatewayError, Prepared
 from gateway.recall import RecallCache
-from gateway.reconcile import AUTO_DELTA_MAX, Decision, HistoryMode, chain_hashes, reconcile, shown_style
+from gateway.reconcile import Decision, chain_hashes, reconcile, shown_style
 from gateway.store import AppendResult, Store, StoreBusy, StoreUnavailable, patient
 from gateway.tokens import TokenCounter
 
@@ -163,17 +163,9 @@ def _check(dialect: Dialect, body: dict[str, Any], history: list[dict[str, Any]]
         raise GatewayError(400, None, f"invalid request: {why}")
 
 
-def _resends_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
-    """A short request with an assistant message in it is a whole history (one that starts elsewhere
-    than the stored one: a client's fork), not a delta client's new turns: those are its user
-    message or tool results, the replies being stored already. Storing it after the stored history
-    would store its resent turns twice. Only short requests can be taken for deltas: bounded."""
-    return len(history) <= AUTO_DELTA_MAX and _carries_a_reply(dialect, history)
-
-
 def _carries_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
-    """An assistant message is in the request (a whole history has one at its second message, so
-    this stops there): reconcile's `replies`."""
+    """An assistant message is in the request: reconcile's `replies` (a whole history has one at its
+    second message, so this stops there)."""
     return any(dialect.role(m) == "assistant" for m in history)
 
 
@@ -350,14 +342,14 @@ class Memory:
         arrived = time.monotonic()
         when = _client_time(call.headers)
         hashes, chains = self.caches.hashes(ref, dialect, history, partial(_check, dialect, call.body, history))
-        full, replies = _resends_a_reply(dialect, history), _carries_a_reply(dialect, history)
-        view, decision = self._from_known(ref, dialect, hashes, chains, full=full, replies=replies)
+        replies = _carries_a_reply(dialect, history)
+        view, decision = self._from_known(ref, dialect, hashes, chains, replies=replies)
         known = view is not None
         if view is None:
             try:
                 view = await self.store.load(ref, head=mem.keep_initial)
                 if view.dialect in (None, dialect.name):
-                    decision = await self._decide(ref, hashes, chains, view, arrived, full=full, replies=replies)
+                    decision = await self._decide(ref, hashes, chains, view, arrived, replies=replies)
             except StoreUnavailable as exc:
                 return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when)
         if view.dialect is not None and view.dialect != dialect.name:
@@ -402,28 +394,23 @@ class Memory:
 
         return Prepared(body=body, headers=headers, on_success=on_success, excerpts=plan.excerpts_block)
 
-    def _mode(self, full: bool) -> HistoryMode:
-        mode = self.settings.conversation.history
-        return "full" if full and mode == "auto" else mode
-
     def _from_known(self, ref: ConvRef, dialect: Dialect, hashes: list[str], chains: list[str], *,
-                    full: bool, replies: bool) -> tuple[ConversationView | None, Decision | None]:
+                    replies: bool) -> tuple[ConversationView | None, Decision | None]:
         """The view this process knows, when the request simply goes on from it (views.py)."""
         view = self.caches.views.get(ref)
         if view is None or view.dialect not in (None, dialect.name):
             return None, None
-        decision = reconcile(hashes, chains, view, self._mode(full), replies=replies)
+        decision = reconcile(hashes, chains, view, self.settings.conversation.history, replies=replies)
         if decision.action not in ("extend", "delta"):
             return None, None  # a retry, an edit, a regenerate: decided on what the store holds now
         return view, decision
 
     async def _decide(self, ref: ConvRef, hashes: list[str], chains: list[str], view: ConversationView,
-                      arrived: float, *, siblings: bool = True, full: bool = False, replies: bool = True) -> Decision:
+                      arrived: float, *, siblings: bool = True, replies: bool = True) -> Decision:
         """Reconcile the request with a view just loaded (reading the stored chains when needed);
-        `siblings` False: a diverging history is a branch, whatever the timing; `full`: the request
-        is a whole history (`_resends_a_reply`), never a delta; `replies`: it carries an assistant
-        message (`_carries_a_reply`)."""
-        mode = self._mode(full)
+        `siblings` False: a diverging history is a branch, whatever the timing; `replies`: it carries
+        an assistant message (`_carries_a_reply`)."""
+        mode = self.settings.conversation.history
         decision = reconcile(hashes, chains, view, mode, replies=replies)
         if decision.action == "need_chains":
             decision = reconcile(hashes, chains, view, mode, stored_chains=await self.store.chains(ref),
@@ -623,7 +610,6 @@ class Memory:
                 return
             decision = await self._decide(ref, late.hashes, late.chains, view, late.arrived,
                                           siblings=attempt < RECORD_ATTEMPTS - 1,
-                                          full=_resends_a_reply(dialect, late.incoming),
                                           replies=_carries_a_reply(dialect, late.incoming))
             req = await self._logical(ref, dialect, late.model, view, decision, late.incoming, late.hashes,
                                       late.chains, late.sent)
@@ -768,7 +754,6 @@ class Memory:
         """Decide and store the request's turns again, on what the store holds now."""
         view = await self.store.load(req.ref, head=self.settings.memory.keep_initial)
         decision = await self._decide(req.ref, req.hashes, req.chains, view, req.arrived, siblings=siblings,
-                                      full=_resends_a_reply(req.dialect, req.incoming),
                                       replies=_carries_a_reply(req.dialect, req.incoming))
         again = await self._logical(req.ref, req.dialect, req.model, view, decision, req.incoming, req.hashes,
                                     req.chains, req.when)

@@ -84,21 +84,25 @@ def reconcile(
     mode: HistoryMode = "auto",
     stored_chains: Sequence[str] | None = None,
     *,
-    replies: bool = True,
+    replies: bool = False,
 ) -> Decision:
     """Decide how the request's messages (content hashes + their chains) relate to the stored ones.
 
     - "new": nothing stored yet. Every incoming message is new (base 0, new_from 0).
     - "delta": the client sends only its new turns (mode "delta"; or mode "auto" when the request is
-      short, at most AUTO_DELTA_MAX messages and fewer than stored, and either incoming[0] differs
-      from the stored message 0 or the client's last request that showed its style was a delta
-      (`view.client`, see `shown_style`). They go after the stored history: base = view.length,
-      new_from = 0. So a delta client can repeat its first message ("hi") without that being taken
-      for a regenerate of the conversation's first reply, and a client that sent its whole history
-      once (importing a conversation) can go on with deltas. In mode "auto" a request from a client
-      last seen sending deltas that carries no assistant message (`replies` False) and is neither an
-      extend nor a prefix is a delta too: several new turns at once (queued user messages, tool
-      results), not a whole history that diverged, which carries the replies the gateway stored.
+      short, at most AUTO_DELTA_MAX messages and fewer than stored, carries no assistant message
+      (`replies` False: a short request with one is a whole history starting elsewhere than the
+      stored one, a client's fork; a delta client sends its user message or tool results, the
+      replies being stored already, and appending a fork would store its resent turns twice), and
+      either incoming[0] differs from the stored message 0 or the client's last request that
+      showed its style was a delta (`view.client`, see `shown_style`). They go after the stored
+      history: base = view.length, new_from = 0. So a delta client can repeat its first message
+      ("hi") without that being taken for a regenerate of the conversation's first reply, and a
+      client that sent its whole history once (importing a conversation) can go on with deltas.
+      In mode "auto" a request from a client last seen sending deltas that carries no assistant
+      message and is neither an extend nor a prefix is a delta too: several new turns at once
+      (queued user messages, tool results), not a whole history that diverged, which carries the
+      replies the gateway stored.
       A longer request that does not start like the stored conversation is a full history that
       replaces it (a branch at 0): appending it would duplicate a whole history on every request
       of a client that reused a conversation id or edited its first message.
@@ -126,7 +130,7 @@ def reconcile(
     if length == 0:
         return Decision("new", base=0, new_from=0)
     last = view.last_chain or ""
-    if m == 0 or mode == "delta" or (mode == "auto" and m < length and m <= AUTO_DELTA_MAX and (
+    if m == 0 or mode == "delta" or (mode == "auto" and m < length and m <= AUTO_DELTA_MAX and not replies and (
             incoming[0] != view.first_hash or view.client == "delta")):
         return Decision("delta", base=length, new_from=0, base_chain=last)
 

@@ -167,7 +167,7 @@ def test_a_delta_client_sending_several_turns_at_once_is_a_delta() -> None:
     for client, action in ((None, "branch"), ("full", "branch"), ("delta", "delta")):
         d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client=client), "auto", replies=False)
         assert d.action == action, client
-    d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client="delta"), "auto")
+    d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client="delta"), "auto", replies=True)
     assert d.action == "branch"  # with a reply among them it is a whole history
     inc = [*STORED, h("u10")]
     d = reconcile(inc, chain_hashes(inc), replace(view_of(STORED), client="delta"), "auto", replies=False)
@@ -184,6 +184,15 @@ def test_what_a_request_shows_of_its_client() -> None:
     assert shown_style(Decision("new", base=0, new_from=0), "auto") == ""
     assert shown_style(Decision("prefix", base=5, new_from=5), "auto") == ""
     assert shown_style(extend, "full") == shown_style(Decision("delta", base=10, new_from=0), "delta") == ""
+
+
+def test_a_short_request_carrying_a_reply_is_a_whole_history() -> None:
+    """Auto mode: a short request that does not start like the stored history is new turns, unless
+    it carries an assistant message: then it is a client's fork, a branch at 0."""
+    inc = [h("x"), h("its reply"), h("y")]
+    assert reconcile(inc, chain_hashes(inc), view_of(STORED), "auto").action == "delta"
+    d = reconcile(inc, chain_hashes(inc), view_of(STORED), "auto", replies=True)
+    assert (d.action, d.branch_at) == ("branch", 0)
 
 
 def test_delta_mode_always_appends() -> None:
