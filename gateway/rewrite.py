@@ -113,6 +113,12 @@ def over_thresholds(messages: int, tokens: int, settings: MemorySettings) -> boo
     return messages >= settings.message_threshold or tokens >= settings.token_threshold
 
 
+# Pinned excerpt blocks stay until they hold this many excerpt budgets. Letting them go is dear: the
+# window after the first pin is written again, and later questions quote the same messages anew
+# (on the coding development set, 92% of the excerpts written were re-quotes when pins went at 2).
+PIN_CAP = 4
+
+
 def excerpt_budget(settings: MemorySettings, history_tokens: int, layers_tokens: int, context_budget: int) -> int:
     """Tokens the excerpts may fill for a history of `history_tokens` whose other layers (system,
     state, summary, head, window) take `layers_tokens`: what brings the request to
@@ -505,12 +511,12 @@ def _layers(inputs: Inputs) -> _Layers:
     kept = _kept_pins(inputs.last, layers_key, lay.start, tail, tail_start, forced)
     # Pins are read from the provider's cache at a fraction of the price. They never take the room
     # of new excerpts: they stay while the request with them and a full excerpt budget still fits
-    # and saves, up to twice the excerpt budget, then all go at once.
+    # and saves, up to PIN_CAP excerpt budgets, then all go at once.
     held = sum(p.tokens for p in kept)
     room = min(context_budget, ceiling) if ceiling is not None else context_budget
     # A cold cache bills every pin as a fresh write: nothing is saved by keeping them, and the
     # question's own search quotes again whichever of them it still needs.
-    if kept and (held > 2 * target or size(lay) + held + max(budget, 0) > room
+    if kept and (held > PIN_CAP * target or size(lay) + held + max(budget, 0) > room
                  or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
     pinned_at = {pos: tokens for p in kept for pos, tokens in p.quoted}

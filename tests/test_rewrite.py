@@ -476,6 +476,30 @@ def test_pins_go_when_the_cache_has_gone_cold() -> None:
     assert cold.plan.tokens_forwarded < warm.plan.tokens_forwarded
 
 
+def test_pins_stay_up_to_the_pin_cap_then_all_go() -> None:
+    """Letting pins go writes the window after the first of them again and has later questions
+    quote the same messages anew, while keeping them only reads them: they accumulate past twice
+    the excerpt budget, up to rewrite.PIN_CAP budgets, and then all go at once."""
+    budget = 60  # _outcome's excerpt budget
+    ts = turns(oa, [*chat(40), {"role": "user", "content": "question 40"}])
+    for t in ts[16:40]:  # summarised long messages: the rewrite's saving share never binds
+        t.tokens = 200
+    last, held, most, went = None, 0, 0, False
+    for k in range(20):
+        out = _outcome(ts, 40, [k % 16], last)
+        assert out.forwarded is not None and out.forwarded.pins is not None
+        if last is not None and not out.plan.pinned:
+            went = True
+            break
+        held = sum(p.tokens for p in out.forwarded.pins.blocks[:-1])  # what this request kept
+        most = max(most, held)
+        last = out.forwarded
+        ts = ts + turns(oa, [{"role": "assistant", "content": f"answer {40 + k}"},
+                             {"role": "user", "content": f"question {41 + k}"}])
+    assert went
+    assert 2 * budget < most <= rewrite.PIN_CAP * budget
+
+
 def test_pinned_excerpts_render_before_their_message_in_every_dialect() -> None:
     """Each API shape puts a pinned block before the message it was placed before, and this request's
     own block before its newest turn."""
