@@ -113,10 +113,21 @@ def over_thresholds(messages: int, tokens: int, settings: MemorySettings) -> boo
     return messages >= settings.message_threshold or tokens >= settings.token_threshold
 
 
-# Pinned excerpt blocks stay until they hold this many excerpt budgets. Letting them go is dear: the
-# window after the first pin is written again, and later questions quote the same messages anew
-# (on the coding development set, 92% of the excerpts written were re-quotes when pins went at 2).
-PIN_CAP = 4
+# Pinned excerpt blocks stay until they hold this many excerpt budgets (`pin_cap`).
+PIN_CAP_MIN, PIN_CAP_MAX = 2, 4
+
+
+def pin_cap(prices: cost.Prices) -> float:
+    """Excerpt budgets the pins may hold before they all go. Letting them go is dear: the window after
+    the first pin is written again, and later questions quote the same messages anew (on the coding
+    development set at 2 budgets, 92% of the excerpt tokens written were such re-quotes). Keeping a
+    block costs a cached read per request, quoting it anew a write, so a cache whose reads are
+    cheap against its writes (Anthropic: 0.1 vs 1.25) is worth holding more of: write/read budgets,
+    at least PIN_CAP_MIN (what a read at half price, as gpt-4o's, still pays) and at most
+    PIN_CAP_MAX (where the cap stopped binding on the coding set; more only grows the requests)."""
+    if prices.read <= 0:
+        return PIN_CAP_MAX
+    return min(PIN_CAP_MAX, max(PIN_CAP_MIN, prices.write / prices.read))
 
 
 def excerpt_budget(settings: MemorySettings, history_tokens: int, layers_tokens: int, context_budget: int) -> int:
@@ -511,12 +522,12 @@ def _layers(inputs: Inputs) -> _Layers:
     kept = _kept_pins(inputs.last, layers_key, lay.start, tail, tail_start, forced)
     # Pins are read from the provider's cache at a fraction of the price. They never take the room
     # of new excerpts: they stay while the request with them and a full excerpt budget still fits
-    # and saves, up to PIN_CAP excerpt budgets, then all go at once.
+    # and saves, up to pin_cap() excerpt budgets, then all go at once.
     held = sum(p.tokens for p in kept)
     room = min(context_budget, ceiling) if ceiling is not None else context_budget
     # A cold cache bills every pin as a fresh write: nothing is saved by keeping them, and the
     # question's own search quotes again whichever of them it still needs.
-    if kept and (held > PIN_CAP * target or size(lay) + held + max(budget, 0) > room
+    if kept and (held > pin_cap(inputs.prices) * target or size(lay) + held + max(budget, 0) > room
                  or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
     pinned_at = {pos: tokens for p in kept for pos, tokens in p.quoted}

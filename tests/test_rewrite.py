@@ -417,7 +417,8 @@ def test_fill_expands_each_field_once() -> None:
 
 
 def _outcome(ts: list[Message], cov: int, picks: list[int], last: cost.Forwarded | None,
-             summary: str = "the story so far", now: float = 0.0) -> rewrite.Outcome:
+             summary: str = "the story so far", now: float = 0.0,
+             prices: cost.Prices = cost.DEFAULT_PRICES) -> rewrite.Outcome:
     """Production's two steps for `ts` with a summary over [0, cov), `picks` recalled, after `last`."""
     settings = MemorySettings.model_validate(
         {"message_threshold": 4, "keep_recent": 2, "policy": "threshold", "retrieval_max_share": 1.0,
@@ -426,7 +427,8 @@ def _outcome(ts: list[Message], cov: int, picks: list[int], last: cost.Forwarded
                       total_tokens=sum(t.tokens for t in ts),
                       summary=Summary(text=summary, covers=cov, version=1, tokens=count(summary)))
     draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
-                                settings=settings, context_budget=100_000, count=count, last=last, now=now))
+                                settings=settings, context_budget=100_000, count=count, last=last, now=now,
+                                prices=prices))
     assert draft.wants is not None
     return draft.finish([(p, ts[p]) for p in picks])
 
@@ -476,28 +478,36 @@ def test_pins_go_when_the_cache_has_gone_cold() -> None:
     assert cold.plan.tokens_forwarded < warm.plan.tokens_forwarded
 
 
-def test_pins_stay_up_to_the_pin_cap_then_all_go() -> None:
-    """Letting pins go writes the window after the first of them again and has later questions
-    quote the same messages anew, while keeping them only reads them: they accumulate past twice
-    the excerpt budget, up to rewrite.PIN_CAP budgets, and then all go at once."""
-    budget = 60  # _outcome's excerpt budget
+def _most_pinned(prices: cost.Prices) -> int:
+    """Pinned tokens a request kept, at most, before the pins all went, over turns each recalling
+    a message no pin holds."""
     ts = turns(oa, [*chat(40), {"role": "user", "content": "question 40"}])
     for t in ts[16:40]:  # summarised long messages: the rewrite's saving share never binds
         t.tokens = 200
-    last, held, most, went = None, 0, 0, False
+    last, most = None, 0
     for k in range(20):
-        out = _outcome(ts, 40, [k % 16], last)
+        out = _outcome(ts, 40, [k % 16], last, prices=prices)
         assert out.forwarded is not None and out.forwarded.pins is not None
         if last is not None and not out.plan.pinned:
-            went = True
-            break
-        held = sum(p.tokens for p in out.forwarded.pins.blocks[:-1])  # what this request kept
-        most = max(most, held)
+            return most
+        most = max(most, sum(p.tokens for p in out.forwarded.pins.blocks[:-1]))  # what this request kept
         last = out.forwarded
         ts = ts + turns(oa, [{"role": "assistant", "content": f"answer {40 + k}"},
                              {"role": "user", "content": f"question {41 + k}"}])
-    assert went
-    assert 2 * budget < most <= rewrite.PIN_CAP * budget
+    raise AssertionError("the pins never went")
+
+
+def test_pins_stay_up_to_the_pin_cap_then_all_go() -> None:
+    """Letting pins go writes the window after the first of them again and has later questions
+    quote the same messages anew, while keeping them costs a cached read: under prices whose reads
+    are a tenth of a write (Anthropic's, the default) they accumulate past twice the excerpt budget,
+    up to four, then all go at once; where a read costs half a write (gpt-4o's), at twice."""
+    budget = 60  # _outcome's excerpt budget
+    assert rewrite.pin_cap(cost.DEFAULT_PRICES) == 4
+    assert 2 * budget < _most_pinned(cost.DEFAULT_PRICES) <= 4 * budget
+    half = cost.Prices(read=0.5, write=1.0)
+    assert rewrite.pin_cap(half) == 2
+    assert budget < _most_pinned(half) <= 2 * budget
 
 
 def test_pinned_excerpts_render_before_their_message_in_every_dialect() -> None:
