@@ -113,18 +113,19 @@ def over_thresholds(messages: int, tokens: int, settings: MemorySettings) -> boo
     return messages >= settings.message_threshold or tokens >= settings.token_threshold
 
 
-# Pinned excerpt blocks stay until they hold this many excerpt budgets (`pin_cap`).
+# The pin cap (`pin_cap`), in excerpt budgets, lies between these.
 PIN_CAP_MIN, PIN_CAP_MAX = 2, 4
 
 
 def pin_cap(prices: cost.Prices) -> float:
     """Excerpt budgets the pins may hold before they all go. Letting them go is dear: the window after
-    the first pin is written again, and later questions quote the same messages anew (on the coding
-    development set at 2 budgets, 92% of the excerpt tokens written were such re-quotes). Keeping a
-    block costs a cached read per request, quoting it anew a write, so a cache whose reads are
-    cheap against its writes (Anthropic: 0.1 vs 1.25) is worth holding more of: write/read budgets,
-    at least PIN_CAP_MIN (what a read at half price, as gpt-4o's, still pays) and at most
-    PIN_CAP_MAX (where the cap stopped binding on the coding set; more only grows the requests)."""
+    the first pin is written again, and later questions quote the same messages anew (in two
+    conversations of the coding development set, at 2 budgets, 92% of the excerpt tokens written were
+    such re-quotes). Keeping a block costs a cached read per request, quoting it anew a write, so the
+    cap is the write/read ratio of the prices the cost model holds for the model (its list prices, or
+    what calibration learned of its cache hits): 4 where a read costs at most a quarter of a write
+    (Claude, GPT-5, GPT-4.1 while every read hits), 2 where it costs half (gpt-4o, as the cap was
+    before). Past 4 the cap stopped binding on the coding set; more would only grow the requests."""
     if prices.read <= 0:
         return PIN_CAP_MAX
     return min(PIN_CAP_MAX, max(PIN_CAP_MIN, prices.write / prices.read))

@@ -6,8 +6,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from gateway import cost, rewrite
-from gateway.config import MemorySettings
+from gateway.config import MemorySettings, Settings
 from gateway.dialects import Dialect, content_hash, dialect_named
 from gateway.model import Message, Plan, Summary
 from gateway.reconcile import chain_hashes
@@ -499,15 +501,23 @@ def _most_pinned(prices: cost.Prices) -> int:
 
 def test_pins_stay_up_to_the_pin_cap_then_all_go() -> None:
     """Letting pins go writes the window after the first of them again and has later questions
-    quote the same messages anew, while keeping them costs a cached read: under prices whose reads
-    are a tenth of a write (Anthropic's, the default) they accumulate past twice the excerpt budget,
-    up to four, then all go at once; where a read costs half a write (gpt-4o's), at twice."""
-    budget = 60  # _outcome's excerpt budget
-    assert rewrite.pin_cap(cost.DEFAULT_PRICES) == 4
-    assert 2 * budget < _most_pinned(cost.DEFAULT_PRICES) <= 4 * budget
-    half = cost.Prices(read=0.5, write=1.0)
-    assert rewrite.pin_cap(half) == 2
-    assert budget < _most_pinned(half) <= 2 * budget
+    quote the same messages anew, while keeping them costs a cached read: at Claude's prices (reads a
+    tenth of a write) they accumulate past three excerpt budgets, up to four, then all go at once; at
+    gpt-4o's (reads half a write), past one and a half, up to two."""
+    budget = 60  # _outcome's excerpt budget; each turn's new block holds ~30 tokens
+    claude = cost.prices(Settings().price("claude-sonnet-4"))  # the built-in pricing table's
+    gpt4o = cost.prices(Settings().price("gpt-4o"))
+    assert 3 * budget < _most_pinned(claude) <= 4 * budget
+    assert 1.5 * budget < _most_pinned(gpt4o) <= 2 * budget
+
+
+def test_the_pin_cap_is_the_write_read_ratio_within_two_and_four_budgets() -> None:
+    assert rewrite.pin_cap(cost.Prices(read=0.1, write=1.25)) == 4
+    assert rewrite.pin_cap(cost.Prices(read=0.1, write=2.0)) == 4  # Anthropic's 1-hour cache
+    assert rewrite.pin_cap(cost.Prices(read=0.3, write=1.0)) == pytest.approx(10 / 3)
+    assert rewrite.pin_cap(cost.Prices(read=0.5, write=1.0)) == 2
+    assert rewrite.pin_cap(cost.Prices(read=1.0, write=0.5)) == 2  # reads dearer than writes: as before
+    assert rewrite.pin_cap(cost.Prices(read=0.0, write=1.0)) == 4  # reads free
 
 
 def test_pinned_excerpts_render_before_their_message_in_every_dialect() -> None:
