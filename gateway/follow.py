@@ -115,7 +115,7 @@ class Follower:
         for t, c in zip(turns, chained, strict=True):
             t.chain = c
         views.put(ref, advance(base, turns, dialect=dialect, last_chain=chained[-1], keep_initial=self.keep_initial,
-                               stats=stats, fold_pending=base.fold_pending, client=client or base.client))
+                               stats=stats, fold_pending=base.fold_pending, client=client))
         return chained[-1], base
 
     async def settle(self, ref: ConvRef, turns: list[Message], result: AppendResult | None,

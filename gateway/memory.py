@@ -406,7 +406,7 @@ class Memory:
         return view, decision
 
     async def _decide(self, ref: ConvRef, hashes: list[str], chains: list[str], view: ConversationView,
-                      arrived: float, *, siblings: bool = True, replies: bool = True) -> Decision:
+                      arrived: float, *, replies: bool, siblings: bool = True) -> Decision:
         """Reconcile the request with a view just loaded (reading the stored chains when needed);
         `siblings` False: a diverging history is a branch, whatever the timing; `replies`: it carries
         an assistant message (`_carries_a_reply`)."""
