@@ -244,6 +244,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+async def _gc_pauses(app: web.Application) -> AsyncIterator[None]:
+    stop = app[METRICS].gc_pauses.watch()
+    try:
+        yield
+    finally:
+        stop()
+
+
 async def _upstream_client(app: web.Application) -> AsyncIterator[None]:
     client = HTTPClient()
     app[HTTP] = client
@@ -328,6 +336,7 @@ def create_app(settings: Settings, *, store: Any = None, hook: MemoryHook | None
     proxy = Proxy(settings, app[METRICS], hook, partial(spawn, app))
     app[ACTIVITY] = Activity(lambda: app[STORE], partial(spawn, app))
     app[PROXY] = proxy
+    app.cleanup_ctx.append(_gc_pauses)
     app.cleanup_ctx.append(_upstream_client)
     if hook is None and memory and settings.memory.enabled:
         app.cleanup_ctx.append(_memory_layer)

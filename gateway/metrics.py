@@ -10,13 +10,21 @@ proxied request;
 the memory path counts tokens and cost through `observe_tokens` (once, when it plans a request);
 fold workers count `folds`, `fold_seconds` and `summarizer_tokens`; the store's callers count
 `store_errors`; the memory path's retry queue (backlog.py) counts `unrecorded` and sets
-`unrecorded_pending`.
+`unrecorded_pending`; `gc_pauses` times the process's garbage collections while an app runs.
 """
 
 from __future__ import annotations
 
+import bisect
+import gc
+from collections.abc import Callable, Iterator
+from time import perf_counter
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.utils import floatToGoString
 
 from gateway.model import Usage
 
@@ -24,6 +32,50 @@ from gateway.model import Usage
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 UPSTREAM_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 FOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+GC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class GCPauses:
+    """`gateway_gc_pause_seconds{generation}`: how long each of this process's cyclic GC collections
+    held it, and so the event loop (the overhead's tail: docs/architecture.md, Limits).
+
+    Counted in plain lists and exported by a collector at scrape time: the GC callback runs inside
+    whatever code allocated, and a Histogram's observe takes a lock that code may be holding."""
+
+    def __init__(self) -> None:
+        self.counts = [[0] * (len(GC_BUCKETS) + 1) for _ in range(3)]  # per generation; the last: +Inf
+        self.sums = [0.0, 0.0, 0.0]
+        self._started = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        now = perf_counter()
+        if phase == "start":
+            self._started = now
+            return
+        seconds, generation = now - self._started, min(int(info.get("generation", 2)), 2)
+        self.counts[generation][bisect.bisect_left(GC_BUCKETS, seconds)] += 1
+        self.sums[generation] += seconds
+
+    def watch(self) -> Callable[[], None]:
+        """Start timing collections; returns what stops it."""
+        gc.callbacks.append(self._on_gc)
+
+        def stop() -> None:
+            if self._on_gc in gc.callbacks:
+                gc.callbacks.remove(self._on_gc)
+        return stop
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily("gateway_gc_pause_seconds",
+                                       "Pauses of this process's cyclic garbage collector (each stalls the event loop)",
+                                       labels=("generation",))
+        for generation in range(3):
+            counts, total, buckets = list(self.counts[generation]), 0, []
+            for bound, n in zip((*GC_BUCKETS, float("inf")), counts, strict=True):
+                total += n
+                buckets.append((floatToGoString(bound), total))
+            family.add_metric([str(generation)], buckets, self.sums[generation])
+        yield family
 
 
 class Metrics:
@@ -56,6 +108,8 @@ class Metrics:
                                         registry=r)
         self.cost_saved_usd = Counter("gateway_cost_saved_usd", "Estimated input cost saved (USD)",
                                       ("provider", "model"), registry=r)
+        self.gc_pauses = GCPauses()
+        r.register(self.gc_pauses)  # type: ignore[arg-type]  # a collector by protocol
         for name in ("requests", "tokens_original", "tokens_forwarded", "tokens_saved", "summarizer_tokens",
                      "folds", "store_errors", "cost_saved_usd", "usage_tokens", "unrecorded"):
             setattr(self, f"{name}_total", getattr(self, name))

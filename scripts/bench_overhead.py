@@ -4,7 +4,9 @@ Starts the fake upstream (`python -m gateway.testing --latency-ms 20`) and `gate
 its own process, then sends chat completions at fixed concurrency, straight to the fake and through
 the gateway, streamed and not, and prints per-percentile added latency (gateway minus direct),
 requests/s, the gateway's CPU per request and its own time per request (`gateway_ms` from its log);
-with a Redis store, also that redis-server's CPU and commands per timed request.
+with a Redis store, also that redis-server's CPU and commands per timed request; and the gateway's
+garbage collections during the timed requests (its `gateway_gc_pause_seconds`): each one holds every
+request in flight, so a few per thousand requests make a p99.
 Direct and gateway runs alternate in `--rounds` blocks, so drift on a shared machine hits both.
 
     python scripts/bench_overhead.py                         # memory off: 2000 requests, concurrency 1, 10, 50
@@ -249,6 +251,7 @@ class Cell:
     ref_cpu: float = 0.0
     own: list[float] = field(default_factory=list)
     redis: Counter[str] = field(default_factory=Counter)  # per command during the timed blocks; "cpu": its seconds
+    gc: Counter[str] = field(default_factory=Counter)  # the gateway's GC pauses in the timed blocks (gc_pauses)
 
     def row(self, mode: str, conc: int, memory: bool, *, reference: bool = False) -> str:
         d, g = self.direct, self.reference if reference else self.gateway
@@ -266,10 +269,38 @@ class Cell:
             worker += (f" | redis CPU/req {self.redis['cpu'] / n * 1000:.2f}ms, commands/req (Lua's own counted) "
                        f"{sum(v for k, v in self.redis.items() if k != 'cpu') / n:.1f} ("
                        + ", ".join(f"{k} {v / n:.1f}" for v, k in calls) + ")")
+        if self.gc and not reference:
+            per = 1000 / n
+            worker += (f" | GC pauses/1000 req: {self.gc['count'] * per:.0f}, over 5 ms {self.gc['over5'] * per:.1f}"
+                       f" (gen0/1/2 {'/'.join(f'{self.gc[str(g)] / n * 1000:.1f}' for g in range(3))}),"
+                       f" {self.gc['seconds'] / n * 1000:.3f} ms/req")
         return (f"{mode:<10}{conc:>5}{self.turns:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
                 f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
                 f"{'/'.join(f'{b - a:.2f}' for a, b in zip(dq, gq, strict=True)):>21} | "
                 f"{d.rps:>6.0f}/{g.rps:<6.0f} | {cpu / n * 1000:>5.2f}ms | {own:>18}{ctx}{worker}")
+
+
+async def gc_pauses(base: str) -> Counter[str]:
+    """The gateway's GC pauses so far, from its /metrics: collections, those over 5 ms (by generation),
+    seconds paused."""
+    async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+        text = await r.text()
+    out: Counter[str] = Counter()
+    for line in text.splitlines():
+        if not line.startswith("gateway_gc_pause_seconds"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        generation = name.split('generation="')[1].split('"')[0]
+        if name.startswith("gateway_gc_pause_seconds_count"):
+            out["count"] += float(value)
+            out[generation] += float(value)  # pauses over 5 ms, until the bucket below is taken off
+            out["over5"] += float(value)
+        elif name.startswith("gateway_gc_pause_seconds_sum"):
+            out["seconds"] += float(value)
+        elif 'le="0.005"' in name:
+            out[generation] -= float(value)
+            out["over5"] -= float(value)
+    return out
 
 
 async def folds_settled(store_url: str, within: float = 60.0) -> None:
@@ -476,7 +507,9 @@ async def main() -> None:
                         gw_log.mark()
                         redis0 = await redis_counts(args.store) if args.store.startswith("redis") else None
                         cpu0 = [cpu_seconds(pr.pid) for pr in procs]
+                        gc0 = await gc_pauses(base)
                         c.gateway.add(await load(proxied, c.g_work, per_round, conc))
+                        c.gc.update(await gc_pauses(base) - gc0)
                         c.cpu = [x + cpu_seconds(pr.pid) - x0 for x, x0, pr in zip(c.cpu, cpu0, procs, strict=True)]
                         if redis0 is not None:
                             c.redis.update((await redis_counts(args.store)) - redis0)

@@ -4,6 +4,7 @@ and the app's health, readiness and metrics routes."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -206,6 +207,29 @@ async def test_metrics_count_requests_by_context(app_url: tuple[Any, str]) -> No
                  "gateway_cost_saved_usd_total"):
         assert name in text
     assert 'gateway_overhead_seconds_bucket{le="0.0001"}' in text
+
+
+def _gc_pauses(text: str) -> dict[str, float]:
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("gateway_gc_pause_seconds_count{")}
+
+
+async def test_metrics_time_the_garbage_collectors_pauses(fake: FakeUpstream) -> None:
+    """A collection holds the event loop like any CPU work: /metrics times each one by generation
+    while the app runs, and the app stops timing them when it is cleaned up."""
+    app = create_app(fake.settings(), memory=False)
+    async with serve_app(app) as url:
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            before = _gc_pauses(await r.text())
+        gc.collect()
+        gc.collect(0)
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            after = _gc_pauses(await r.text())
+    assert set(after) == {"0", "1", "2"}
+    assert after["2"] >= before["2"] + 1 and after["0"] >= before["0"] + 1
+    seen = dict(after)
+    gc.collect()
+    assert _gc_pauses(app[METRICS].render()[0].decode())["2"] == seen["2"]
 
 
 class Store:
