@@ -45,12 +45,14 @@ class GCPauses:
     def __init__(self) -> None:
         self.counts = [[0] * (len(GC_BUCKETS) + 1) for _ in range(3)]  # per generation; the last: +Inf
         self.sums = [0.0, 0.0, 0.0]
-        self._started = 0.0
+        self._started: float | None = None
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         now = perf_counter()
         if phase == "start":
             self._started = now
+            return
+        if self._started is None:  # watching began between this collection's start and stop
             return
         seconds, generation = now - self._started, min(int(info.get("generation", 2)), 2)
         self.counts[generation][bisect.bisect_left(GC_BUCKETS, seconds)] += 1
@@ -69,12 +71,14 @@ class GCPauses:
         family = HistogramMetricFamily("gateway_gc_pause_seconds",
                                        "Pauses of this process's cyclic garbage collector (each stalls the event loop)",
                                        labels=("generation",))
+        # Copied first, together: a collection an allocation below sets off counts into the originals.
+        all_counts, sums = [list(c) for c in self.counts], list(self.sums)
         for generation in range(3):
-            counts, total, buckets = list(self.counts[generation]), 0, []
+            counts, total, buckets = all_counts[generation], 0, []
             for bound, n in zip((*GC_BUCKETS, float("inf")), counts, strict=True):
                 total += n
                 buckets.append((floatToGoString(bound), total))
-            family.add_metric([str(generation)], buckets, self.sums[generation])
+            family.add_metric([str(generation)], buckets, sums[generation])
         yield family
 
 

@@ -269,7 +269,7 @@ class Cell:
             worker += (f" | redis CPU/req {self.redis['cpu'] / n * 1000:.2f}ms, commands/req (Lua's own counted) "
                        f"{sum(v for k, v in self.redis.items() if k != 'cpu') / n:.1f} ("
                        + ", ".join(f"{k} {v / n:.1f}" for v, k in calls) + ")")
-        if self.gc and not reference:
+        if self.gc["blocks"] and not reference:  # printed with zeros too: none is not unmeasured
             per = 1000 / n
             worker += (f" | GC pauses/1000 req: {self.gc['count'] * per:.0f}, over 5 ms {self.gc['over5'] * per:.1f}"
                        f" (gen0/1/2 {'/'.join(f'{self.gc[str(g)] / n * 1000:.1f}' for g in range(3))}),"
@@ -506,11 +506,12 @@ async def main() -> None:
                             await asyncio.sleep(0.2)  # their log lines are written in batches too
                         gw_log.mark()
                         redis0 = await redis_counts(args.store) if args.store.startswith("redis") else None
+                        gc0 = await gc_pauses(base)  # both scrapes outside the CPU measured
                         cpu0 = [cpu_seconds(pr.pid) for pr in procs]
-                        gc0 = await gc_pauses(base)
                         c.gateway.add(await load(proxied, c.g_work, per_round, conc))
-                        c.gc.update(await gc_pauses(base) - gc0)
                         c.cpu = [x + cpu_seconds(pr.pid) - x0 for x, x0, pr in zip(c.cpu, cpu0, procs, strict=True)]
+                        c.gc.update(await gc_pauses(base) - gc0)
+                        c.gc["blocks"] += 1
                         if redis0 is not None:
                             c.redis.update((await redis_counts(args.store)) - redis0)
                         await asyncio.sleep(0.2)  # the log is written in batches

@@ -209,9 +209,9 @@ async def test_metrics_count_requests_by_context(app_url: tuple[Any, str]) -> No
     assert 'gateway_overhead_seconds_bucket{le="0.0001"}' in text
 
 
-def _gc_pauses(text: str) -> dict[str, float]:
+def _gc_pauses(text: str, series: str = "count") -> dict[str, float]:
     return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("gateway_gc_pause_seconds_count{")}
+            if line.startswith(f"gateway_gc_pause_seconds_{series}{{")}
 
 
 async def test_metrics_time_the_garbage_collectors_pauses(fake: FakeUpstream) -> None:
@@ -224,9 +224,18 @@ async def test_metrics_time_the_garbage_collectors_pauses(fake: FakeUpstream) ->
         gc.collect()
         gc.collect(0)
         async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-            after = _gc_pauses(await r.text())
+            text = await r.text()
+    after, seconds = _gc_pauses(text), _gc_pauses(text, "sum")
     assert set(after) == {"0", "1", "2"}
     assert after["2"] >= before["2"] + 1 and after["0"] >= before["0"] + 1
+    assert seconds["2"] > 0
+    # Cumulative buckets, each at most the next, the last (+Inf) the count; a pause lands in the
+    # bucket its length falls in.
+    full = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith('gateway_gc_pause_seconds_bucket{generation="2"')]
+    assert full == sorted(full) and full[-1] == after["2"]
+    if seconds["2"] / after["2"] > 0.0005:  # the mean is past the first bound: one pause is too
+        assert full[0] < after["2"]
     seen = dict(after)
     gc.collect()
     assert _gc_pauses(app[METRICS].render()[0].decode())["2"] == seen["2"]
