@@ -5,8 +5,8 @@ its own process, then sends chat completions at fixed concurrency, straight to t
 the gateway, streamed and not, and prints per-percentile added latency (gateway minus direct),
 requests/s, the gateway's CPU per request and its own time per request (`gateway_ms` from its log);
 with a Redis store, also that redis-server's CPU and commands per timed request; and the gateway's
-garbage collections during the timed requests (its `gateway_gc_pause_seconds`): each one holds every
-request in flight, so a few per thousand requests make a p99.
+garbage collections during the timed requests (its `gateway_gc_pause_seconds`), each of which holds
+every request in flight.
 Direct and gateway runs alternate in `--rounds` blocks, so drift on a shared machine hits both.
 
     python scripts/bench_overhead.py                         # memory off: 2000 requests, concurrency 1, 10, 50
@@ -272,7 +272,7 @@ class Cell:
         if self.gc["blocks"] and not reference:  # printed with zeros too: none is not unmeasured
             per = 1000 / n
             worker += (f" | GC pauses/1000 req: {self.gc['count'] * per:.0f}, over 5 ms {self.gc['over5'] * per:.1f}"
-                       f" (gen0/1/2 {'/'.join(f'{self.gc[str(g)] / n * 1000:.1f}' for g in range(3))}),"
+                       f" (gen0/1/2 {'/'.join(f'{self.gc[str(g)] * per:.1f}' for g in range(3))}),"
                        f" {self.gc['seconds'] / n * 1000:.3f} ms/req")
         return (f"{mode:<10}{conc:>5}{self.turns:>5} | {'/'.join(f'{x:.2f}' for x in dq):>22} | "
                 f"{'/'.join(f'{x:.2f}' for x in gq):>22} | "
