@@ -18,6 +18,9 @@ Direct and gateway runs alternate in `--rounds` blocks, so drift on a shared mac
 that start at N messages (system prompt aside) and grow as a full-history client's do: every
 request resends the history plus the reply it got and a new user message. After `--per-conversation`
 requests a slot moves on to its next conversation, so histories stay between N and N + 2 x that.
+The default, 50, lets each conversation's timed requests fire folds (one every `fold_batch / 2`
+requests) as a long conversation's do; at 6, the 3-4 timed requests of each conversation added fewer
+messages than a fold batch, and their slowest requests came right after each block's seeding.
 Before each timed block, the conversations it will use are seeded (their first request, untimed),
 summarised by the fold workers, and warmed: the timed requests meet the steady state of a long
 conversation this gateway has been serving (summary in place, retrieval index built, one fold of
@@ -397,7 +400,7 @@ async def main() -> None:
     p.add_argument("--modes", default="json,stream")
     p.add_argument("--conversation-turns", default="0",
                    help="memory on, histories of this many messages (comma-separated sizes run interleaved)")
-    p.add_argument("--per-conversation", type=int, default=6, help="requests per conversation (memory mode)")
+    p.add_argument("--per-conversation", type=int, default=50, help="requests per conversation (memory mode)")
     p.add_argument("--store", default="memory://", help="the gateway's store; a Redis database given here is FLUSHED")
     p.add_argument("--rounds", type=int, default=4, help="alternating direct/gateway blocks per cell")
     p.add_argument("--warmup", type=int, default=200)
