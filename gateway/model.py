@@ -95,6 +95,9 @@ class Pin:
     text: str
     tokens: int
     quoted: tuple[tuple[int, int], ...]  # (position, tokens) of the earlier messages it quotes
+    # The text's digest, the cache-prefix item it stands for: taken once, where every later request
+    # (and each of its cost comparisons) would hash blocks of thousands of tokens again.
+    digest: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,9 @@ class Pins:
     layers: str  # digest of the state, summary, head and marker they were placed under
     start: int  # the window's first position
     blocks: tuple[Pin, ...]
+    # position -> tokens of every message the blocks quote (their `quoted`, merged once here rather
+    # than by every request that keeps them). Never mutated.
+    quoted: dict[int, int]
 
     @property
     def tokens(self) -> int:

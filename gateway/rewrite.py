@@ -531,7 +531,7 @@ def _layers(inputs: Inputs) -> _Layers:
     if kept and (held > pin_cap(inputs.prices) * target or size(lay) + held + max(budget, 0) > room
                  or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
-    pinned_at = {pos: tokens for p in kept for pos, tokens in p.quoted}
+    pinned_at = inputs.last.pins.quoted if kept and inputs.last is not None and inputs.last.pins else {}
 
     def rewrite(excerpts: str, forwarded: int) -> Plan:
         return Plan(
@@ -574,8 +574,10 @@ def _layers(inputs: Inputs) -> _Layers:
         newest = next((i for i in range(len(tail) - 1, -1, -1) if dialect.is_turn_start(tail[i].raw)), None)
         if plan.excerpts_block and quoted and newest is not None:
             at = tail_start + newest
-            blocks.append(Pin(at, tail[newest].hash, plan.excerpts_block, block[0], tuple(quoted)))
-        return Pins(layers_key, lay.start, tuple(blocks)) if blocks else None
+            blocks.append(Pin(at, tail[newest].hash, plan.excerpts_block, block[0], tuple(quoted),
+                              _digest(plan.excerpts_block)))
+            return Pins(layers_key, lay.start, tuple(blocks), {**pinned_at, **dict(quoted)})
+        return Pins(layers_key, lay.start, tuple(blocks), pinned_at) if blocks else None
 
     # Excerpts only add tokens: a layout that saves nothing without them goes full with them too.
     wanted = (settings.retrieval.enabled and budget > 0 and lay.start > lay.head_end and not forced
@@ -622,14 +624,14 @@ def _rewrite_items(inputs: Inputs, plan: Plan) -> tuple[list[str], list[int], in
     for i, t in enumerate(window[:cut]):
         pin = pinned.get(start + i)
         if pin is not None:
-            items.append(_digest(pin.text))
+            items.append(pin.digest)
             tokens.append(pin.tokens)
         items.append(t.hash)
         tokens.append(t.tokens)
     stable = sum(tokens)
     pin = pinned.get(start + cut)  # a pin before the newest turn itself (that turn sent again)
     if pin is not None:
-        items.append(_digest(pin.text))
+        items.append(pin.digest)
         tokens.append(pin.tokens)
         stable += pin.tokens
     excerpts = max(plan.tokens_forwarded - stable - sum(t.tokens for t in window[cut:]), 0)
