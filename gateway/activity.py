@@ -11,6 +11,7 @@ most its last second of notes; the conversations themselves are in the store.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -57,7 +58,13 @@ class Noted:
 
 
 def _day(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y%m%d")
+    return _day_name(int(ts // 86400))
+
+
+@functools.lru_cache(maxsize=16)
+def _day_name(day: int) -> str:
+    # Once per day, not per request: formatting a date costs as much as the rest of noting one.
+    return datetime.fromtimestamp(day * 86400, UTC).strftime("%Y%m%d")
 
 
 class Activity:

@@ -548,14 +548,12 @@ class Memory:
         if recall.embedder is not None and recall.embedded(key) > len(view.head):
             # In a thread of its own (~0.5 ms): the loop serves other requests meanwhile.
             vector = await recall.embedder.query(wants.query.text)
-        hits = recall.search(
+        return recall.search(
             key, query=wants.query.text, after=len(view.head), before=wants.window_start,
             budget_tokens=wants.search_budget, recent=wants.recent, query_time=wants.query.time,
             query_vector=vector, reach_back=self.settings.memory.retrieval.reach_back,
             min_relevance=self.settings.memory.retrieval.min_relevance,
         )
-        return [(h.position, Message(raw={}, role=h.role, text=h.text, tokens=h.tokens, hash="", time=h.time))
-                for h in hits]
 
     def _degraded(self, call: Call, dialect: Dialect, history: list[dict[str, Any]], exc: Exception,
                   ref: ConvRef, hashes: list[str], chains: list[str], arrived: float,

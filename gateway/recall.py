@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 from gateway.embed import nearest
 from gateway.model import Message
@@ -75,6 +75,12 @@ class Column(Generic[T]):
             yield from chunk
         yield from self._tail
 
+    def pick(self, positions: Sequence[int]) -> list[T]:
+        """The items at `positions` (each in range)."""
+        chunks, tail, size = self._chunks, self._tail, self.CHUNK
+        full = len(chunks) * size
+        return [chunks[i // size][i % size] if i < full else tail[i - full] for i in positions]
+
     def append(self, item: T) -> None:
         self._tail.append(item)
         if len(self._tail) == self.CHUNK:
@@ -104,7 +110,7 @@ class _Entry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The last search (arguments, version, result): a retried or regenerated request asks again
     # with the same question over the same messages.
-    last: tuple[tuple[object, ...], int, list[Recalled]] | None = None
+    last: tuple[tuple[object, ...], int, list[tuple[int, Message]]] | None = None
     # Embeddings (gateway/embed.py), when on: int8 rows for positions [0, embedded), filled in the
     # background; `cuts` counts truncations, so a batch embedded across one is discarded.
     vectors: Any = None
@@ -139,14 +145,6 @@ class _Entry:
             self.vectors = grown
         self.vectors[start:need] = vectors
         self.embedded = need
-
-
-class Recalled(NamedTuple):  # a tuple: built per hit per search, ~3x cheaper than a frozen dataclass
-    position: int
-    role: str
-    text: str
-    time: str | None
-    tokens: int
 
 
 class RecallCache:
@@ -301,10 +299,11 @@ class RecallCache:
         query_vector: Any = None,
         reach_back: float = 0.0,
         min_relevance: float = 0.0,
-    ) -> list[Recalled]:
-        """Best earlier messages among positions [after, before), within budget; fused with the
-        messages nearest `query_vector` among those embedded so far, when given. None when the window
-        (positions from `before` on) matches the question `reach_back` times as well (retrieval.py)."""
+    ) -> list[tuple[int, Message]]:
+        """Best earlier messages among positions [after, before), within budget, as (position, message)
+        in conversation order; fused with the messages nearest `query_vector` among those embedded so
+        far, when given. Nothing when the window (positions from `before` on) matches the question
+        `reach_back` times as well (retrieval.py)."""
         entry = self._entries.get(key)
         if entry is None or budget_tokens <= 0 or before <= max(after, 0):
             return []
@@ -324,7 +323,9 @@ class RecallCache:
             window_start=before, reach_back=reach_back, min_relevance=min_relevance,
         )
         self._count_side(entry)
-        rows = entry.rows
-        found = [Recalled(h.index, *rows[h.index][:4]) for h in hits]
+        # Built per hit per search (a block of short turns has a hundred): as the plan reads them,
+        # and from the rows' chunks directly.
+        rows = entry.rows.pick([h.index for h in hits])
+        found = [(h.index, Message({}, r[0], r[1], r[3], "", "", r[2])) for h, r in zip(hits, rows, strict=True)]
         entry.last = (args, entry.version, found)
         return list(found)

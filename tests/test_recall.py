@@ -40,8 +40,8 @@ async def test_search_stays_within_after_and_before() -> None:
     """Only positions in [after, before) come back."""
     cache = await _cache()
     hits = cache.search("k", query="cat Luna", after=1, before=5, budget_tokens=1000)
-    assert 4 in {h.position for h in hits} <= {1, 2, 3, 4}
-    assert cache.search("k", query="cat Luna", after=0, before=8, budget_tokens=1000)[0].position == 0
+    assert 4 in {p for p, _ in hits} <= {1, 2, 3, 4}
+    assert cache.search("k", query="cat Luna", after=0, before=8, budget_tokens=1000)[0][0] == 0
     assert cache.search("k", query="cat Luna", after=5, before=5, budget_tokens=1000) == []
 
 
@@ -68,9 +68,9 @@ async def test_repeated_search_is_remembered_until_the_index_changes(monkeypatch
 
     await cache.sync("k", _turns([*TEXTS[4:], "Luna the cat again"], 4), 4, fetch)
     again = cache.search("k", query="cat Luna", before=9, budget_tokens=1000)
-    assert len(calls) == 3 and 8 in {h.position for h in again}
+    assert len(calls) == 3 and 8 in {p for p, _ in again}
     cache.truncate("k", 8)
-    assert 8 not in {h.position for h in cache.search("k", query="cat Luna", before=9, budget_tokens=1000)}
+    assert 8 not in {p for p, _ in cache.search("k", query="cat Luna", before=9, budget_tokens=1000)}
     assert len(calls) == 4
 
 
@@ -118,7 +118,7 @@ async def test_concurrent_catch_ups_index_each_message_once() -> None:
     await asyncio.gather(cache.sync("k", tail, 290, fetch), cache.sync("k", tail, 290, fetch))
     entry = cache._entries["k"]
     assert [row[4] for row in entry.rows] == [f"c{i}" for i in range(300)]
-    assert [h.position for h in cache.search("k", query="topic5 Luna0", before=300, budget_tokens=60)]
+    assert [p for p, _ in cache.search("k", query="topic5 Luna0", before=300, budget_tokens=60)]
 
 
 async def test_branch_during_a_catch_up_leaves_a_consistent_index() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -200,7 +201,8 @@ class OpenAIChat(OpenAIWire):
 
     def history(self, body: dict[str, Any]) -> list[dict[str, Any]] | None:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        # The type check runs in C (map): it passes over every message of every request.
+        if not isinstance(messages, list) or not all(map(isinstance, messages, repeat(dict))):
             return None
         return messages[self._lead(messages):]
 
