@@ -8,6 +8,7 @@ everything after it up to the next user message (docs/architecture.md, "Words").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -108,8 +109,8 @@ class Pins:
     start: int  # the window's first position
     blocks: tuple[Pin, ...]
     # position -> tokens of every message the blocks quote (their `quoted`, merged once here rather
-    # than by every request that keeps them). Never mutated.
-    quoted: dict[int, int]
+    # than by every request that keeps them); shared by the Pins that extend these.
+    quoted: Mapping[int, int]
 
     @property
     def tokens(self) -> int:

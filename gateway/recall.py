@@ -108,9 +108,10 @@ class _Entry:
     # Held while a catch-up yields mid-way: a concurrent request waits instead of indexing the same
     # positions a second time.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # The last search (arguments, version, result): a retried or regenerated request asks again
-    # with the same question over the same messages.
-    last: tuple[tuple[object, ...], int, list[tuple[int, Message]]] | None = None
+    # The last search (arguments, version, positions found): a retried or regenerated request asks
+    # again with the same question over the same messages. Positions, not the messages built from
+    # them: a tuple of ints is out of the GC's sight, a hundred Message objects per entry are not.
+    last: tuple[tuple[object, ...], int, tuple[int, ...]] | None = None
     # Embeddings (gateway/embed.py), when on: int8 rows for positions [0, embedded), filled in the
     # background; `cuts` counts truncations, so a batch embedded across one is discarded.
     vectors: Any = None
@@ -310,7 +311,7 @@ class RecallCache:
         dense_stop = min(before, entry.embedded) if query_vector is not None else 0
         args = (query, after, before, budget_tokens, tuple(recent), query_time, dense_stop, reach_back, min_relevance)
         if entry.last is not None and entry.last[1] == entry.version and entry.last[0] == args:
-            return list(entry.last[2])
+            return self._messages(entry, entry.last[2])
 
         def excluded(pos: int) -> bool:
             return pos >= before or pos < after
@@ -323,9 +324,14 @@ class RecallCache:
             window_start=before, reach_back=reach_back, min_relevance=min_relevance,
         )
         self._count_side(entry)
-        # Built per hit per search (a block of short turns has a hundred): as the plan reads them,
-        # and from the rows' chunks directly.
-        rows = entry.rows.pick([h.index for h in hits])
-        found = [(h.index, Message({}, r[0], r[1], r[3], "", "", r[2])) for h, r in zip(hits, rows, strict=True)]
-        entry.last = (args, entry.version, found)
-        return list(found)
+        positions = tuple(h.index for h in hits)
+        entry.last = (args, entry.version, positions)
+        return self._messages(entry, positions)
+
+    @staticmethod
+    def _messages(entry: _Entry, positions: Sequence[int]) -> list[tuple[int, Message]]:
+        # Built per hit per search (a block of short turns has a hundred), straight from the rows'
+        # chunks, as the plan reads them. Row: (role, text, time, tokens, chain, bytes); Message
+        # fields in order: raw, role, text, tokens, hash, chain, time.
+        rows = entry.rows.pick(positions)
+        return [(p, Message({}, r[0], r[1], r[3], "", "", r[2])) for p, r in zip(positions, rows, strict=True)]

@@ -23,7 +23,7 @@ ends at a clean cut. Everything here is pure: the caller loads, counts, searches
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from hashlib import blake2b
 
@@ -309,8 +309,9 @@ class Draft:
         return self._layers.plan
 
     def finish(self, picked: Sequence[tuple[int, Message]] = ()) -> Outcome:
-        """The plan with the recalled (position, Message) pairs `picked`, most relevant first (ignored
-        unless `wants`); refused when too large; swapped for the full history when that is cheaper."""
+        """The plan with the recalled (position, Message) pairs `picked`, in the order retrieval gives
+        them (ignored unless `wants`); refused when too large; swapped for the full history when that
+        is cheaper."""
         inp, layers = self._inputs, self._layers
         plan = layers.finish(picked) if self.wants is not None and layers.finish is not None else layers.plan
         if plan.tokens_forwarded > inp.context_budget:
@@ -531,7 +532,9 @@ def _layers(inputs: Inputs) -> _Layers:
     if kept and (held > pin_cap(inputs.prices) * target or size(lay) + held + max(budget, 0) > room
                  or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
-    pinned_at = inputs.last.pins.quoted if kept and inputs.last is not None and inputs.last.pins else {}
+    # `kept` is all of the last request's blocks or none, so their merged positions are its pins'.
+    last_pins = inputs.last.pins if inputs.last is not None else None
+    pinned_at: Mapping[int, int] = last_pins.quoted if kept and last_pins is not None else {}
 
     def rewrite(excerpts: str, forwarded: int) -> Plan:
         return Plan(
@@ -736,12 +739,12 @@ def _excerpts(
     budget: int,
     template: str,
     count: Callable[[str], int],
-    pinned: dict[int, int] | None = None,
+    pinned: Mapping[int, int] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Render recalled messages outside the head and window, most relevant first until the budget
-    is spent, then in conversation order (how a reader follows them); with the (position, tokens)
-    of those it quotes. `pinned`: positions an earlier block already quotes, with their tokens:
-    they take their share of the budget where they rank, and are not quoted again."""
+    """Render recalled messages outside the head and window, taken in the order given until the
+    budget is spent, then in conversation order (how a reader follows them); with the (position,
+    tokens) of those it quotes. `pinned`: positions an earlier block already quotes, with their
+    tokens: they take their share of the budget where they come, and are not quoted again."""
     seen: set[int] = set()
     chosen: list[tuple[int, str, int]] = []
     spent = count(fill(template, excerpts=""))
