@@ -149,11 +149,14 @@ def test_a_column_reads_appends_and_truncates_across_its_chunks() -> None:
         col.append(row)
     assert len(col) == len(plain) and list(col) == plain
     assert col[0] == plain[0] and col[Column.CHUNK] == plain[Column.CHUNK] and col[-1] == plain[-1]
+    edges = [0, Column.CHUNK - 1, Column.CHUNK, Column.CHUNK + 1, 3 * Column.CHUNK, len(plain) - 1]
+    assert col.pick(edges) == [plain[i] for i in edges]  # what a search's hits are read with
     for length in (2 * Column.CHUNK + 3, 2 * Column.CHUNK, Column.CHUNK - 1, 0):
         col.truncate(length)
         assert list(col) == plain[:length]
+        assert col.pick(range(length)) == plain[:length]
     col.append("again")
-    assert list(col) == ["again"]
+    assert list(col) == ["again"] == col.pick([0])
 
 
 def test_a_long_column_keeps_only_its_last_chunk_in_the_gc_sight() -> None:
