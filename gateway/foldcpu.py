@@ -49,6 +49,7 @@ from gateway.tokens import FALLBACK_ENCODING, TokenCounter
 
 log = get_logger("gateway.foldcpu")
 
+_START_RETRIES = (0.05, 0.5, None)  # seconds before the next attempt to start a child; None: give up
 _WARM_ENV = "GATEWAY_FOLD_ENCODING"  # foldwarm.ENV (not imported here: foldwarm imports this module)
 
 T = TypeVar("T")
@@ -357,22 +358,35 @@ class ProcessCPU:
             return  # the usual case, every call: no lock to take
         async with self._starting:
             while len(self._children) < self.processes and not self._closed:
-                parent, child = socket.socketpair()
-                try:
-                    process = self._context().Process(target=_serve_child, args=(child, self.settings),
-                                                      name="gateway-fold", daemon=True)
-                    try:
-                        # Forking through the fork server is a round trip of a few ms: not on the loop.
-                        await asyncio.to_thread(process.start)
-                    finally:
-                        child.close()
-                    reader, writer = await asyncio.open_connection(sock=parent)
-                except BaseException:
-                    parent.close()  # a child started all the same reads EOF and exits
-                    raise
-                started = _Process(process, reader, writer)
+                started = await self._start_one()
                 self._children.append(started)
                 self._idle.put_nowait(started)
+
+    async def _start_one(self) -> _Process:
+        for delay in _START_RETRIES:
+            parent, child = socket.socketpair()
+            try:
+                process = self._context().Process(target=_serve_child, args=(child, self.settings),
+                                                  name="gateway-fold", daemon=True)
+                try:
+                    # Forking through the fork server is a round trip of a few ms: not on the loop.
+                    await asyncio.to_thread(process.start)
+                finally:
+                    child.close()
+                reader, writer = await asyncio.open_connection(sock=parent)
+                return _Process(process, reader, writer)
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                # The fork server's socket refused us (the server died between multiprocessing's
+                # liveness check and the connect): the next attempt finds it dead and starts another.
+                parent.close()
+                if delay is None:
+                    raise
+                log.warning("fold.process_start_retried", error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(delay)
+            except BaseException:
+                parent.close()  # a child started all the same reads EOF and exits
+                raise
+        raise AssertionError("unreachable: the last attempt raises")
 
     async def _acquire(self) -> _Process:
         while True:

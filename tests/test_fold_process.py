@@ -153,3 +153,44 @@ async def test_stopping_the_fold_processes_fails_the_calls_still_waiting() -> No
     assert cpu.lost == 0  # stopped, not lost
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_a_refused_connection_to_the_fork_server_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server's socket refuses a connection while the server is going away (seen once in
+    CI on a loaded machine): the child is started on a later attempt, and the fold runs, instead of
+    every fold failing until the circuit breaker opens."""
+    import multiprocessing.forkserver
+
+    real = multiprocessing.forkserver.connect_to_new_process
+    refused: list[int] = []
+
+    def refuse_twice(fds: Any) -> Any:
+        if len(refused) < 2:
+            refused.append(1)
+            raise ConnectionRefusedError(111, "Connection refused")
+        return real(fds)
+
+    monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", refuse_twice)
+    cpu = ProcessCPU(parse_settings({}), 1)
+    try:
+        assert await asyncio.wait_for(cpu.call(int, "7"), 20) == 7
+        assert len(refused) == 2
+    finally:
+        await cpu.close(0.0)
+
+
+async def test_a_fork_server_that_keeps_refusing_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every attempt is refused, the call fails (the fold is retried later by the workers)
+    rather than waiting forever."""
+    import multiprocessing.forkserver
+
+    def refuse(fds: Any) -> Any:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(multiprocessing.forkserver, "connect_to_new_process", refuse)
+    cpu = ProcessCPU(parse_settings({}), 1)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.wait_for(cpu.call(int, "7"), 20)
+    finally:
+        await cpu.close(0.0)
