@@ -411,6 +411,8 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
         return False
     items_a, tokens_a, _ = _rewrite_items(applied, a)
     items_k, tokens_k, _ = _rewrite_items(kept, k)
+    if sum(tokens_k) > hold_cap(applied.settings, applied.history.total_tokens, sum(tokens_a), excerpt_budget):
+        return False
     # Pins belong to the layout they were quoted in: the applied request starts its excerpts over
     # and writes a whole block (up to its budget), where the kept one reads its pins from the cache
     # and writes only what its question recalls beyond them (this conversation's rate so far).
@@ -423,6 +425,13 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
              + later * prices.read * (sum(tokens_a) + carried))
     keep = cost.billed(items_k, tokens_k, last, now, prices) + later * prices.read * sum(tokens_k)
     return keep <= apply
+
+
+def hold_cap(settings: MemorySettings, history_tokens: int, applied_tokens: int, excerpt_budget: int) -> int:
+    """Tokens a request holding cached parts (a held fold's window, pinned excerpts) may reach before
+    its new excerpts: `hold_max_share` of the history, never less than the rewrite without them
+    (`applied_tokens`, layers with the fold applied and no pins) leaves for a full excerpt budget."""
+    return max(int(settings.hold_max_share * history_tokens) - excerpt_budget, applied_tokens)
 
 
 def _pinned_tokens(inputs: Inputs, plan: Plan) -> int:
@@ -530,6 +539,7 @@ def _layers(inputs: Inputs) -> _Layers:
     # A cold cache bills every pin as a fresh write: nothing is saved by keeping them, and the
     # question's own search quotes again whichever of them it still needs.
     if kept and (held > pin_cap(inputs.prices) * target or size(lay) + held + max(budget, 0) > room
+                 or size(lay) + held > hold_cap(settings, h.total_tokens, size(lay) - inputs.held_window, target)
                  or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
     # `kept` is all of the last request's blocks or none, so their merged positions are its pins'.
