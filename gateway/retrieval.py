@@ -35,6 +35,8 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 9. Openings: a question about the start ("when I first described my setup", "the initial
    deadline", "originally") gives the messages of the first session 0.3 x the best score: in a
    project's conversation the start is where the setup, the first plan and the deadlines are said.
+10. Speaker: a question about what one side said ("the order in which I brought up", "what did you
+   recommend") scales that side's messages by 1 + 1.0.
 
 Cost: `add` is O(message length). Postings are per-term `bytearray`s of native uint32
 `position << 8 | tf` (tf capped at 255, read through `memoryview.cast`), a bare int while a term
@@ -91,6 +93,9 @@ class RankingParams:
     # A question about the start ("when I first described my setup", "the initial deadline") favours
     # the conversation's first session by this share of the best score.
     opening_weight: float = 0.3
+    # A question about what one side said ("the order in which I brought up", "what you recommended")
+    # scales that side's messages by 1 + this.
+    speaker_weight: float = 1.0
     cost_alpha: float = 1.0
     recent_weight: float = 0.2
     recent_terms: int = 8
@@ -114,6 +119,7 @@ class RankingParams:
         return cls(
             stop_words=False, stem=False, strip_stamp=False, meta_stop=False, neighbour_weight=0.0,
             session_weight=0.0, time_weight=0.0, opening_weight=0.0, cost_alpha=0.0, recent_weight=0.0,
+            speaker_weight=0.0,
         )
 
 
@@ -152,6 +158,14 @@ _STOP = frozenset(
 _OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started|began)\b"
                       r"|\b(?:at|in)\s+the\s+(?:start|beginning)\b|\bto\s+start\s+(?:my|our|the|this)\b",
                       re.IGNORECASE)
+_PHRASING = 1000  # characters at each end of a question that say what kind of question it is
+# Who the question asks about: what the user said (I mentioned, I brought up, I asked) or what the
+# assistant did (you said, you recommended). Bounded repeats only: linear in the question.
+_SAID = (r"(?:mention|bring|brought|ask|said|say|told|tell|shar|describ|discuss|talk|rais|list|explain"
+         r"|recommend|suggest|gave|give|provid|propos)\w*")
+_USER_SAID = re.compile(r"\bI(?:'ve|'d|\s+have|\s+had)?\s+(?:\w+\s+){0,2}?" + _SAID, re.IGNORECASE)
+_ASSISTANT_SAID = re.compile(r"(?<!can )(?<!could )(?<!would )(?<!will )\byou\s+(?:\w+\s+){0,2}?" + _SAID,
+                             re.IGNORECASE)  # not "can you list ...": that asks for an answer
 # Words that only say "this is a question about our history"; they match every chatty message.
 _META = frozenset(
     {
@@ -363,7 +377,7 @@ class RetrievalIndex:
     """Incremental lexical index over one conversation's messages, by position."""
 
     __slots__ = (
-        "_cost", "_events", "_last_secs", "_lengths", "_p", "_postings", "_secs", "_sess_len", "_sess_start",
+        "_cost", "_events", "_last_secs", "_lengths", "_p", "_postings", "_roles", "_secs", "_sess_len", "_sess_start",
         "_sess_tf", "_session", "_tokens", "_total_len", "side_bytes",
     )
 
@@ -382,6 +396,7 @@ class RetrievalIndex:
         self._tokens = array("I")  # caller's token count per message (budgeting)
         self._cost = array("d")  # max(tokens, 1) ** cost_alpha: the fill's divisor, computed once
         self._session = array("I")  # session number per message
+        self._roles = bytearray()  # 1: the user's message, 2: the assistant's, 0: other
         self._secs = array("d")  # wall-clock seconds of the message's time, NaN if unknown
         self._last_secs = math.nan  # latest known time: the reference for session gaps
         self._sess_start = array("I")  # first position of each session
@@ -443,6 +458,7 @@ class RetrievalIndex:
             if spans:
                 self._events[index] = tuple(spans)
         self._lengths.append(len(terms))
+        self._roles.append(_ROLE.get(role, 0))
         self._tokens.append(max(0, tokens))
         self._cost.append(max(tokens, 1) ** p.cost_alpha)
         self._total_len += len(terms)
@@ -483,6 +499,7 @@ class RetrievalIndex:
         for i in [i for i in self._events if i >= length]:
             del self._events[i]
         del self._cost[length:]
+        del self._roles[length:]
         del self._session[length:]
         nsess = self._session[-1] + 1 if length else 0
         del self._sess_start[nsess:]
@@ -565,13 +582,22 @@ class RetrievalIndex:
             self._add_session_prior(weights, scores, n, top)
         if spans:
             self._add_time_prior(spans, scores, n, top)
+        # What kind of question it is shows in its phrasing, at either end of a long message (a
+        # question after pasted code): the patterns read those ends only, whatever the message's size.
+        phrasing = query if len(query) <= 2 * _PHRASING else query[:_PHRASING] + "\n" + query[-_PHRASING:]
         # (Not when the first session is most of the conversation: it would say nothing.)
         if (p.opening_weight > 0 and len(self._sess_start) > 1 and 2 * self._sess_start[1] <= n
-                and _OPENING.search(query) is not None):
+                and _OPENING.search(phrasing) is not None):
             bonus = p.opening_weight * top
             get = scores.get
             for d in range(self._sess_start[1]):
                 scores[d] = get(d, 0.0) + bonus
+        if p.speaker_weight > 0 and scores:
+            asked_user = _USER_SAID.search(phrasing) is not None
+            if asked_user != (_ASSISTANT_SAID.search(phrasing) is not None):
+                side, boost = (1 if asked_user else 2), 1.0 + p.speaker_weight
+                roles = self._roles
+                scores = {d: v * boost if roles[d] == side else v for d, v in scores.items()}
         if dense:
             scores = self._fuse(scores, dense, exclude)
         return self._fill(scores, budget_tokens, exclude, min_relevance)
@@ -758,6 +784,9 @@ class RetrievalIndex:
                 break
         out.sort(key=lambda e: e.index)
         return out
+
+
+_ROLE = {"user": 1, "human": 1, "assistant": 2, "model": 2}
 
 
 def _df(plist: int | bytearray) -> int:

@@ -343,3 +343,31 @@ def test_a_question_about_the_start_favours_the_first_session() -> None:
     (unfavoured,) = off.search("Which versions did I say I was using when I first described my setup?",
                                budget_tokens=20)
     assert unfavoured.index == 60
+
+
+def test_a_question_about_what_one_side_said_favours_that_sides_messages() -> None:
+    """"When did I bring up ..." asks for the user's own message, "what did you recommend ..." for
+    the assistant's, even when the other side's message repeats the question's words more; "can you
+    list ..." asks for an answer, not about what the assistant said, and favours neither."""
+    plant = {
+        30: "Should the nightly export go to the archive bucket, or somewhere cheaper such as cold storage tiers?",
+        31: "Nightly export to the archive bucket: yes, the archive bucket takes the nightly export.",
+        50: "The kestrel dashboard is slow; the kestrel dashboard queries the kestrel replica.",
+        51: "Cache the kestrel dashboard queries for a minute.",
+    }
+    messages = _conversation(70, plant=plant)
+    index = _index(messages)
+    off = RetrievalIndex(RankingParams(speaker_weight=0.0))
+    for i, (role, text, time) in enumerate(messages):
+        off.add(i, role, text, time, 20)
+
+    def first(idx: RetrievalIndex, query: str) -> int:
+        (hit,) = idx.search(query, budget_tokens=20)
+        return hit.index
+
+    asked_user = "When did I bring up the nightly export to the archive bucket?"
+    asked_assistant = "What did you recommend for the kestrel dashboard queries?"
+    assert (first(off, asked_user), first(off, asked_assistant)) == (31, 50)  # by the words alone
+    assert (first(index, asked_user), first(index, asked_assistant)) == (30, 51)
+    assert first(index, "Can you list the kestrel dashboard queries?") == first(
+        off, "Can you list the kestrel dashboard queries?")
