@@ -43,8 +43,8 @@ Cost: `add` is O(message length). Postings are per-term `bytearray`s of native u
 has one posting. Not `array('I')`: arrays are objects the cyclic GC tracks, and its full
 collections walked every term of every cached conversation on the event loop; a dict of strings
 to ints and bytearrays is not tracked at all. Terms are interned so cached conversations share
-their strings. `search` walks the postings of the query words that rank (not those in more than
-half the messages), reads per-session frequencies cached per queried term (brought up to date
+their strings. `search` reads a question's two ends only, and walks the postings of at most 64 of
+its words, the rarest (not those in more than half the messages), reads per-session frequencies cached per queried term (brought up to date
 from new postings only), and is O(messages) for the time prior only when the question names a time.
 """
 
@@ -158,6 +158,8 @@ _STOP = frozenset(
 _OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started|began)\b"
                       r"|\b(?:at|in)\s+the\s+(?:start|beginning)\b|\bto\s+start\s+(?:my|our|the|this)\b",
                       re.IGNORECASE)
+_MAX_TERMS = 64  # distinct words a question is searched by, the rarest in the conversation
+_QUERY_END = 4000  # characters searched at each end of a longer question
 _PHRASING = 1000  # characters at each end of a question that say what kind of question it is
 # Who the question asks about: what the user said (I mentioned, I brought up, I asked) or what the
 # assistant did (you said, you recommended). Bounded repeats only: linear in the question.
@@ -542,8 +544,17 @@ class RetrievalIndex:
             if m:
                 query = query[m.end():]
                 when = when or _stamp_time(m)
+        if len(query) > 2 * _QUERY_END:
+            # A long message (a pasted file) is searched by its two ends, where its question is:
+            # scoring costs a pass over each distinct word's postings, and this runs on the event loop.
+            query = query[:_QUERY_END] + "\n" + query[-_QUERY_END:]
         postings = self._postings
         weights: dict[str, float] = dict.fromkeys(_words(query, p, query=True), 1.0)
+        if len(weights) > _MAX_TERMS:
+            # A message of many words (code, a pasted page) ranks by its rarest ones: they carry the
+            # ranking, and each word costs a pass over its postings.
+            known = sorted((t for t in weights if t in postings), key=lambda t: _df(postings[t]))
+            weights = dict.fromkeys(known[:_MAX_TERMS], 1.0)
         asked = dict(weights)  # the question's own words (step 8 judges on these)
         if p.recent_weight > 0 and recent and 0 < len(weights) <= p.recent_max_query_words:
             extra = {

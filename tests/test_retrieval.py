@@ -371,3 +371,29 @@ def test_a_question_about_what_one_side_said_favours_that_sides_messages() -> No
     assert (first(index, asked_user), first(index, asked_assistant)) == (30, 51)
     assert first(index, "Can you list the kestrel dashboard queries?") == first(
         off, "Can you list the kestrel dashboard queries?")
+
+
+def test_a_question_of_any_size_is_searched_by_a_bounded_set_of_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Search runs on the event loop: a pasted page as the newest message is searched by its two
+    ends (where its question is) and at most 64 of its words, the rarest in the conversation, so
+    scoring it costs no more than a question's. A rare word at its end finds its message; one
+    buried in the middle is not read."""
+    plant = {i: f"Entry {i}: tag{i} recorded." for i in range(0, 300, 3)}
+    plant[200] = "The osprey cluster runs in us-east."
+    plant[250] = "The kestrel cluster runs in eu-west."
+    index = _index(_conversation(300, plant=plant))
+    scored: list[int] = []
+    real = RetrievalIndex._bm25
+
+    def counting(self: RetrievalIndex, weights: dict[str, float], n: int) -> dict[int, float]:
+        scored.append(len(weights))
+        return real(self, weights, n)
+
+    monkeypatch.setattr(RetrievalIndex, "_bm25", counting)
+    index.search(" ".join(f"tag{i}" for i in range(0, 300, 3)), budget_tokens=20)  # 100 words it knows
+    assert scored == [64]
+    filler = "lorem ipsum dolor " * 5_000  # words it does not know
+    (hit,) = index.search(f"{filler} osprey {filler} kestrel?", budget_tokens=20)
+    assert hit.index == 250
+    (hit,) = index.search(f"osprey? {filler}", budget_tokens=20)
+    assert hit.index == 200
