@@ -226,10 +226,10 @@ class MemorySettings(_Strict):
     # A rewrite that would save less than this share of the full history is not made: the client's
     # request goes as sent (no-saving). Short conversations are not rewritten into something barely smaller.
     min_saving_share: float = Field(0.2, ge=0, lt=1)
-    # What the cost policy holds for the prompt cache (a finished fold not applied yet, excerpts
-    # pinned from earlier turns) may grow a rewritten request up to this share of the full history,
-    # no further: past it the fold goes in and the pins go. (The rewrite itself, its layers and a
-    # full excerpt budget, is never cut by it.)
+    # What is held for the prompt cache (excerpts pinned by earlier turns; under policy cost, a
+    # finished fold not applied yet) may grow a rewritten request up to this share of the full
+    # request (system prompt included), no further: past it the fold goes in and the pins go. The
+    # rewrite itself, its layers and a full excerpt budget, is never cut by it. 1.0: no bound.
     hold_max_share: float = Field(1.0, ge=0, le=1)
     budget_ratio: float = Field(0.8, gt=0, le=1)
     # Anthropic: add a cache_control breakpoint after the summary block (within the limit of 4).

@@ -22,6 +22,7 @@ ends at a clean cut. Everything here is pure: the caller loads, counts, searches
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -400,8 +401,8 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     `applied` (the fold's new layers)? `a`, `k`: their layered plans before excerpts;
     `excerpt_budget`: what the applied request's excerpts may fill.
 
-    Yes while the kept request is a plain rewrite (within the hard budget and its saving share) and
-    costs less over the next `fold_batch / 2` requests: applying writes the new prefix once, then
+    Yes while the kept request is a plain rewrite (within the hard budget, its saving share and
+    `hold_cap`) and costs less over the next `fold_batch / 2` requests: applying writes the new prefix once, then
     reads a shorter one; keeping reads the longer one the provider already holds. A cold cache
     costs both a write, so the fold goes in then."""
     prices, last, now = applied.prices, applied.last, applied.now
@@ -411,7 +412,8 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
         return False
     items_a, tokens_a, _ = _rewrite_items(applied, a)
     items_k, tokens_k, _ = _rewrite_items(kept, k)
-    if sum(tokens_k) > hold_cap(applied.settings, applied.history.total_tokens, sum(tokens_a), excerpt_budget):
+    original = applied.history.total_tokens + applied.system_tokens
+    if sum(tokens_k) > hold_cap(applied.settings, original, sum(tokens_a), excerpt_budget):
         return False
     # Pins belong to the layout they were quoted in: the applied request starts its excerpts over
     # and writes a whole block (up to its budget), where the kept one reads its pins from the cache
@@ -427,11 +429,14 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     return keep <= apply
 
 
-def hold_cap(settings: MemorySettings, history_tokens: int, applied_tokens: int, excerpt_budget: int) -> int:
+def hold_cap(settings: MemorySettings, original: int, applied_tokens: int, excerpt_budget: int) -> float:
     """Tokens a request holding cached parts (a held fold's window, pinned excerpts) may reach before
-    its new excerpts: `hold_max_share` of the history, never less than the rewrite without them
-    (`applied_tokens`, layers with the fold applied and no pins) leaves for a full excerpt budget."""
-    return max(int(settings.hold_max_share * history_tokens) - excerpt_budget, applied_tokens)
+    its new excerpts: `hold_max_share` of the full request (`original`, system prompt included),
+    never less than the rewrite without them (`applied_tokens`, layers with the fold applied and no
+    pins) leaves for a full excerpt budget. At 1.0, no bound (the saving share still applies)."""
+    if settings.hold_max_share >= 1.0:
+        return math.inf
+    return max(int(settings.hold_max_share * original) - excerpt_budget, applied_tokens)
 
 
 def _pinned_tokens(inputs: Inputs, plan: Plan) -> int:
@@ -539,7 +544,7 @@ def _layers(inputs: Inputs) -> _Layers:
     # A cold cache bills every pin as a fresh write: nothing is saved by keeping them, and the
     # question's own search quotes again whichever of them it still needs.
     if kept and (held > pin_cap(inputs.prices) * target or size(lay) + held + max(budget, 0) > room
-                 or size(lay) + held > hold_cap(settings, h.total_tokens, size(lay) - inputs.held_window, target)
+                 or size(lay) + held > hold_cap(settings, original, size(lay) - inputs.held_window, max(budget, 0))
                  or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
     # `kept` is all of the last request's blocks or none, so their merged positions are its pins'.

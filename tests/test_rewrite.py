@@ -420,7 +420,8 @@ def test_fill_expands_each_field_once() -> None:
 
 def _outcome(ts: list[Message], cov: int, picks: list[int], last: cost.Forwarded | None,
              summary: str = "the story so far", now: float = 0.0,
-             prices: cost.Prices = cost.DEFAULT_PRICES, hold_max_share: float = 1.0) -> rewrite.Outcome:
+             prices: cost.Prices = cost.DEFAULT_PRICES, hold_max_share: float = 1.0,
+             system_tokens: int = 5) -> rewrite.Outcome:
     """Production's two steps for `ts` with a summary over [0, cov), `picks` recalled, after `last`."""
     settings = MemorySettings.model_validate(
         {"message_threshold": 4, "keep_recent": 2, "policy": "threshold", "retrieval_max_share": 1.0,
@@ -429,9 +430,9 @@ def _outcome(ts: list[Message], cov: int, picks: list[int], last: cost.Forwarded
     history = History(head=[], tail=ts[cov:], tail_start=cov, total_messages=len(ts),
                       total_tokens=sum(t.tokens for t in ts),
                       summary=Summary(text=summary, covers=cov, version=1, tokens=count(summary)))
-    draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=5, state_block="", state_tokens=0,
-                                settings=settings, context_budget=100_000, count=count, last=last, now=now,
-                                prices=prices))
+    draft = rewrite.plan(Inputs(dialect=oa, history=history, system_tokens=system_tokens, state_block="",
+                                state_tokens=0, settings=settings, context_budget=100_000, count=count, last=last,
+                                now=now, prices=prices))
     assert draft.wants is not None
     return draft.finish([(p, ts[p]) for p in picks])
 
@@ -486,18 +487,20 @@ def test_pins_go_once_they_grow_the_request_past_the_hold_share() -> None:
     full excerpt budget, past that share of the history quotes afresh instead. The rewrite itself
     (its layers and a full excerpt budget) is never cut by it."""
     ts = turns(oa, [*chat(12), {"role": "user", "content": "question 12"}])
-    history = sum(t.tokens for t in ts) + 20  # the next request's, two messages of 10 tokens longer
+    original = sum(t.tokens for t in ts) + 20 + 5  # the next request's: two more messages, and the system prompt
     first = _outcome(ts, 16, [3, 5], None)
     assert first.forwarded is not None
     ts2 = ts + turns(oa, [{"role": "assistant", "content": "answer 12"}, {"role": "user", "content": "question 13"}])
     kept = _outcome(ts2, 16, [7], first.forwarded)
     assert len(kept.plan.pinned) == 1
     # The share that just holds the request with its pin and a full budget (60 tokens), and one below it.
-    room = (kept.plan.tokens_forwarded - count(kept.plan.excerpts_block) + 60) / history
+    room = (kept.plan.tokens_forwarded - count(kept.plan.excerpts_block) + 60) / original
     assert len(_outcome(ts2, 16, [7], first.forwarded, hold_max_share=room + 0.001).plan.pinned) == 1
     tight = _outcome(ts2, 16, [7], first.forwarded, hold_max_share=room - 0.01)
     assert tight.plan.pinned == [] and "[message 7," in tight.plan.excerpts_block
     assert tight.plan.tokens_forwarded < kept.plan.tokens_forwarded
+    # The default bounds nothing, even where the system prompt outweighs the history (agent clients).
+    assert len(_outcome(ts2, 16, [7], first.forwarded, system_tokens=2 * original).plan.pinned) == 1
     # Even a share of nothing leaves the rewrite its excerpts.
     assert "[message 7," in _outcome(ts2, 16, [7], first.forwarded, hold_max_share=0.0).plan.excerpts_block
 
@@ -678,14 +681,13 @@ def test_turns_that_recall_little_let_the_rewrite_win_later() -> None:
     assert busy[: quiet.index(rewrite.REWRITTEN) + 1] == [rewrite.CHEAPER_CACHED] * (quiet.index(rewrite.REWRITTEN) + 1)
 
 
-def _held_fold_case(hold_max_share: float = 1.0) -> tuple[
+def _held_fold_case(**overrides: float) -> tuple[
         list[Message], Callable[[int, int, str, cost.Forwarded | None, float], Inputs]]:
     """Messages of 100 tokens (by `count`, as in the excerpts quoting them) and Inputs on the first
     `upto` of them, summarised over [0, cov), for the held-fold tests under `policy: cost`."""
     settings = MemorySettings.model_validate(
         {"message_threshold": 4, "keep_recent": 2, "policy": "cost", "retrieval_max_share": 1.0,
-         "retrieval_target_share": 0.0, "retrieval_budget_tokens": 2000, "min_saving_share": 0.0,
-         "hold_max_share": hold_max_share})
+         "retrieval_target_share": 0.0, "retrieval_budget_tokens": 2000, "min_saving_share": 0.0, **overrides})
     pad = " ".join(["lorem"] * 98)
     ts = turns(oa, [{**m, "content": f"{m['content']} {pad}"} for m in chat(60)], tokens=100)
     ts += turns(oa, [{"role": "user", "content": "question 60"}])
@@ -725,19 +727,16 @@ def test_a_held_fold_counts_the_pinned_excerpts_applying_it_would_write_again() 
 
 
 def test_a_held_fold_goes_in_once_holding_grows_the_request_past_the_hold_share() -> None:
-    """`hold_max_share`: the held layers (the longer window, the pins) are kept while the request
-    with them and a full excerpt budget stays within that share of the history; past it the fold
-    is applied, however much the cached layers would save."""
-    for share, held in ((0.8, True), (0.5, False)):
-        ts, inputs = _held_fold_case(share)
-        first = rewrite.plan(inputs(81, 60, "the story so far", None, 0.0)).finish(
-            [(p, ts[p]) for p in range(2, 32, 3)])
-        assert first.forwarded is not None
-        last = replace(first.forwarded, excerpt_rate=100.0)
-        kept = inputs(83, 60, "the story so far", last, 30.0)
-        applied = inputs(83, 76, "a newer story", last, 30.0)
-        # The held request: ~2,300 tokens of window and ~1,000 of pins; with a budget of 2,000 that is
-        # 0.64 of the 8,300-token history.
+    """`hold_max_share`: the held window is kept while the request with it and a full excerpt budget
+    stays within that share of the full request; past it the fold is applied, however much the
+    cached layers would save. 1.0 bounds nothing."""
+    for share, held in ((1.0, True), (0.8, True), (0.5, False), (0.3, False)):
+        _, inputs = _held_fold_case(hold_max_share=share, fold_batch=2)
+        first = rewrite.plan(inputs(81, 60, "the story so far", None, 0.0)).finish([])
+        assert first.forwarded is not None and first.forwarded.pins is None  # the held window alone
+        kept = inputs(83, 60, "the story so far", first.forwarded, 30.0)
+        applied = inputs(83, 76, "a newer story", first.forwarded, 30.0)
+        # The held request: ~2,300 tokens of window; with a budget of 2,000, 0.52 of the 8,305-token request.
         assert (rewrite.plan(applied, kept).inputs is kept) is held, share
 
 
