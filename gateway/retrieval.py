@@ -36,16 +36,17 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
    deadline", "originally") gives the messages of the first session 0.3 x the best score: in a
    project's conversation the start is where the setup, the first plan and the deadlines are said.
 10. Speaker: a question about what one side said ("the order in which I brought up", "what did you
-   recommend") scales that side's messages by 1 + 1.0.
+   recommend") doubles the scores of that side's messages.
 
 Cost: `add` is O(message length). Postings are per-term `bytearray`s of native uint32
 `position << 8 | tf` (tf capped at 255, read through `memoryview.cast`), a bare int while a term
 has one posting. Not `array('I')`: arrays are objects the cyclic GC tracks, and its full
 collections walked every term of every cached conversation on the event loop; a dict of strings
 to ints and bytearrays is not tracked at all. Terms are interned so cached conversations share
-their strings. `search` reads a question's two ends only, and walks the postings of at most 64 of
-its words, the rarest (not those in more than half the messages), reads per-session frequencies cached per queried term (brought up to date
-from new postings only), and is O(messages) for the time prior only when the question names a time.
+their strings. `search` reads a question's two ends only and ranks by at most 64 of its words, the
+rarest; it walks the postings of those that rank (not those in more than half the messages), reads
+per-session frequencies cached per queried term (brought up to date from new postings only), and is
+O(messages) for the time prior only when the question names a time.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class RankingParams:
     # A question about the start ("when I first described my setup", "the initial deadline") favours
     # the conversation's first session by this share of the best score.
     opening_weight: float = 0.3
-    # A question about what one side said ("the order in which I brought up", "what you recommended")
-    # scales that side's messages by 1 + this.
+    # A question about what one side said ("the order in which I brought up", "what did you
+    # recommend") multiplies the scores of that side's messages by 1 + this.
     speaker_weight: float = 1.0
     cost_alpha: float = 1.0
     recent_weight: float = 0.2
@@ -159,15 +160,34 @@ _OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started
                       r"|\b(?:at|in)\s+the\s+(?:start|beginning)\b|\bto\s+start\s+(?:my|our|the|this)\b",
                       re.IGNORECASE)
 _MAX_TERMS = 64  # distinct words a question is searched by, the rarest in the conversation
-_QUERY_END = 4000  # characters searched at each end of a longer question
+_QUERY_END = 4000  # characters searched at each end of a longer question (and of the recent texts)
 _PHRASING = 1000  # characters at each end of a question that say what kind of question it is
-# Who the question asks about: what the user said (I mentioned, I brought up, I asked) or what the
-# assistant did (you said, you recommended). Bounded repeats only: linear in the question.
-_SAID = (r"(?:mention|bring|brought|ask|said|say|told|tell|shar|describ|discuss|talk|rais|list|explain"
-         r"|recommend|suggest|gave|give|provid|propos)\w*")
-_USER_SAID = re.compile(r"\bI(?:'ve|'d|\s+have|\s+had)?\s+(?:\w+\s+){0,2}?" + _SAID, re.IGNORECASE)
-_ASSISTANT_SAID = re.compile(r"(?<!can )(?<!could )(?<!would )(?<!will )\byou\s+(?:\w+\s+){0,2}?" + _SAID,
-                             re.IGNORECASE)  # not "can you list ...": that asks for an answer
+# Who the question asks about: what the user said ("the order in which I brought up", "did I
+# mention") or what the assistant did ("you recommended", "what did you suggest"). Past tense or a
+# did-question only: "can you list", "thank you for sharing", "I want you to explain" ask for an
+# answer now. One optional word between: linear in the question.
+_PAST = (r"(?:mentioned|brought|asked|said|told|shared|described|discussed|talked|raised|listed|explained"
+         r"|recommended|suggested|gave|given|provided|proposed|covered)")
+_BASE = (r"(?:mention|bring|ask|say|tell|share|describe|discuss|talk|raise|list|explain|recommend|suggest"
+         r"|give|provide|propose|cover)")
+_HAVE = r"(?:['’](?:ve|d)|\s+have|\s+had)?"
+_USER_SAID = re.compile(rf"\bI{_HAVE}\s+(?:\w+\s+)?{_PAST}\b|\bdid\s+I\s+(?:\w+\s+)?{_BASE}\b", re.IGNORECASE)
+_ASSISTANT_SAID = re.compile(rf"\byou{_HAVE}\s+(?:\w+\s+)?{_PAST}\b|\b(?:did|have|had)\s+you\s+(?:\w+\s+)?{_BASE}\b",
+                             re.IGNORECASE)
+_ROLE = {"user": 1, "assistant": 2}  # `_roles` codes; 0: any other (tool, system)
+
+
+def _ends(text: str, n: int) -> str:
+    """`text` if it is at most 2n characters, else its first and last n, cut between words."""
+    if len(text) <= 2 * n:
+        return text
+    head, tail = text[:n], text[-n:]
+    cut = head.rfind(" ", n - 100)
+    head = head[:cut] if cut > 0 else head
+    cut = tail.find(" ", 0, 100)
+    return head + "\n" + (tail[cut + 1:] if cut >= 0 else tail)
+
+
 # Words that only say "this is a question about our history"; they match every chatty message.
 _META = frozenset(
     {
@@ -544,23 +564,23 @@ class RetrievalIndex:
             if m:
                 query = query[m.end():]
                 when = when or _stamp_time(m)
-        if len(query) > 2 * _QUERY_END:
-            # A long message (a pasted file) is searched by its two ends, where its question is:
-            # scoring costs a pass over each distinct word's postings, and this runs on the event loop.
-            query = query[:_QUERY_END] + "\n" + query[-_QUERY_END:]
+        # A long message (a pasted file) is searched by its two ends, where its question is: scoring
+        # costs a pass over each distinct word's postings, and this runs on the event loop.
+        query = _ends(query, _QUERY_END)
         postings = self._postings
         weights: dict[str, float] = dict.fromkeys(_words(query, p, query=True), 1.0)
+        short = 0 < len(weights) <= p.recent_max_query_words
         if len(weights) > _MAX_TERMS:
             # A message of many words (code, a pasted page) ranks by its rarest ones: they carry the
             # ranking, and each word costs a pass over its postings.
             known = sorted((t for t in weights if t in postings), key=lambda t: _df(postings[t]))
             weights = dict.fromkeys(known[:_MAX_TERMS], 1.0)
         asked = dict(weights)  # the question's own words (step 8 judges on these)
-        if p.recent_weight > 0 and recent and 0 < len(weights) <= p.recent_max_query_words:
+        if p.recent_weight > 0 and recent and short:
             extra = {
                 t
                 for text in recent[-p.recent_texts:]
-                for t in _words(text, p, query=True)
+                for t in _words(_ends(text, _QUERY_END), p, query=True)
                 if t not in weights and t in postings
             }
             for t in sorted(extra, key=lambda t: (_df(postings[t]), t))[: p.recent_terms]:
@@ -595,7 +615,7 @@ class RetrievalIndex:
             self._add_time_prior(spans, scores, n, top)
         # What kind of question it is shows in its phrasing, at either end of a long message (a
         # question after pasted code): the patterns read those ends only, whatever the message's size.
-        phrasing = query if len(query) <= 2 * _PHRASING else query[:_PHRASING] + "\n" + query[-_PHRASING:]
+        phrasing = _ends(query, _PHRASING)
         # (Not when the first session is most of the conversation: it would say nothing.)
         if (p.opening_weight > 0 and len(self._sess_start) > 1 and 2 * self._sess_start[1] <= n
                 and _OPENING.search(phrasing) is not None):
@@ -795,9 +815,6 @@ class RetrievalIndex:
                 break
         out.sort(key=lambda e: e.index)
         return out
-
-
-_ROLE = {"user": 1, "human": 1, "assistant": 2, "model": 2}
 
 
 def _df(plist: int | bytearray) -> int:

@@ -169,15 +169,17 @@ def test_plain_params_still_search() -> None:
 def test_truncate_then_add_equals_a_fresh_index(cut: int) -> None:
     """Cutting back mid-session and re-adding gives the postings, session frequencies and rankings of a fresh index."""
     msgs = _conversation(60, plant={24: "my cat Luna and the cat flap", 33: "Luna the cat again, cat cat"})
-    replaced = [*msgs[:cut], *_conversation(70, plant={40: "a new cat named Miso"}, day=2)[cut:]]
+    # The replacement's roles are shifted by one: the index must forget the old ones too.
+    after = _conversation(71, plant={41: "a new cat named Miso"}, day=2)[1:]
+    replaced = [*msgs[:cut], *after[cut:]]
     index = _index(msgs)
     index.truncate(cut)
     for i in range(cut, len(replaced)):
         role, text, time = replaced[i]
         index.add(i, role, text, time, 20)
     fresh = _index(replaced)
-    assert index._postings == fresh._postings
-    for query in ("my cat Luna", "cat named Miso", "healthy dinners and workouts"):
+    assert index._postings == fresh._postings and index._roles == fresh._roles
+    for query in ("my cat Luna", "cat named Miso", "healthy dinners and workouts", "what did I say about workouts?"):
         assert index.search(query, budget_tokens=300) == fresh.search(query, budget_tokens=300)
     assert all(list(index._session_tf(t)) == list(fresh._session_tf(t)) for t in fresh._postings)
 
@@ -382,18 +384,26 @@ def test_a_question_of_any_size_is_searched_by_a_bounded_set_of_words(monkeypatc
     plant[200] = "The osprey cluster runs in us-east."
     plant[250] = "The kestrel cluster runs in eu-west."
     index = _index(_conversation(300, plant=plant))
-    scored: list[int] = []
+    scored: list[dict[str, float]] = []
     real = RetrievalIndex._bm25
 
     def counting(self: RetrievalIndex, weights: dict[str, float], n: int) -> dict[int, float]:
-        scored.append(len(weights))
+        scored.append(dict(weights))
         return real(self, weights, n)
 
     monkeypatch.setattr(RetrievalIndex, "_bm25", counting)
-    index.search(" ".join(f"tag{i}" for i in range(0, 300, 3)), budget_tokens=20)  # 100 words it knows
-    assert scored == [64]
+    # 101 words it knows: a common one first, then 100 that each occur once. The common one goes.
+    index.search("calendar " + " ".join(f"tag{i}" for i in range(0, 300, 3)), budget_tokens=20)
+    assert [len(w) for w in scored] == [64] and "calendar" not in scored[0]
+    assert all(w.startswith("tag") for w in scored[0])
     filler = "lorem ipsum dolor " * 5_000  # words it does not know
     (hit,) = index.search(f"{filler} osprey {filler} kestrel?", budget_tokens=20)
     assert hit.index == 250
     (hit,) = index.search(f"osprey? {filler}", budget_tokens=20)
     assert hit.index == 200
+    # A long message is not a short follow-up ("and the other one?") because few of its words are
+    # known: the recent turns' words are not added to it.
+    unknown = " ".join(f"{a}{b}{c}qz" for a in "abcdefghij" for b in "abcdefghij" for c in "abcdefghij")
+    scored.clear()
+    index.search(f"{unknown} osprey?", budget_tokens=20, recent=["kestrel cluster", "kestrel eu-west"])
+    assert scored and all(set(w) == {"osprey"} for w in scored)
