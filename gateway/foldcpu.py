@@ -49,7 +49,7 @@ from gateway.tokens import FALLBACK_ENCODING, TokenCounter
 
 log = get_logger("gateway.foldcpu")
 
-_START_RETRIES = (0.05, 0.5, None)  # seconds before the next attempt to start a child; None: give up
+_START_RETRY_DELAYS = (0.05, 0.5)  # seconds before each further attempt to start a child
 _WARM_ENV = "GATEWAY_FOLD_ENCODING"  # foldwarm.ENV (not imported here: foldwarm imports this module)
 
 T = TypeVar("T")
@@ -363,7 +363,7 @@ class ProcessCPU:
                 self._idle.put_nowait(started)
 
     async def _start_one(self) -> _Process:
-        for delay in _START_RETRIES:
+        for attempt in range(len(_START_RETRY_DELAYS) + 1):
             parent, child = socket.socketpair()
             try:
                 process = self._context().Process(target=_serve_child, args=(child, self.settings),
@@ -375,18 +375,19 @@ class ProcessCPU:
                     child.close()
                 reader, writer = await asyncio.open_connection(sock=parent)
                 return _Process(process, reader, writer)
-            except (ConnectionRefusedError, FileNotFoundError) as exc:
-                # The fork server's socket refused us (the server died between multiprocessing's
-                # liveness check and the connect): the next attempt finds it dead and starts another.
+            except (ConnectionError, FileNotFoundError, EOFError) as exc:
+                # The fork server went away between multiprocessing's liveness check and our
+                # request (refused, reset, or closed before it answered): the next attempt finds it
+                # dead and starts another. (A server alive without its socket file fails every time.)
                 parent.close()
-                if delay is None:
+                if attempt == len(_START_RETRY_DELAYS):
                     raise
-                log.warning("fold.process_start_retried", error=f"{type(exc).__name__}: {exc}")
-                await asyncio.sleep(delay)
+                log.warning("fold.process_start_retried", attempt=attempt + 1, error=f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(_START_RETRY_DELAYS[attempt])
             except BaseException:
                 parent.close()  # a child started all the same reads EOF and exits
                 raise
-        raise AssertionError("unreachable: the last attempt raises")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _acquire(self) -> _Process:
         while True:
