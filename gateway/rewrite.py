@@ -402,9 +402,9 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     `excerpt_budget`: what the applied request's excerpts may fill.
 
     Yes while the kept request is a plain rewrite (within the hard budget, its saving share and
-    `hold_cap`) and costs less over the next `fold_batch / 2` requests: applying writes the new prefix once, then
-    reads a shorter one; keeping reads the longer one the provider already holds. A cold cache
-    costs both a write, so the fold goes in then."""
+    `hold_cap`) and costs less over the next `fold_batch / 2` requests: applying writes the new
+    prefix once, then reads a shorter one; keeping reads the longer one the provider already holds.
+    A cold cache costs both a write, so the fold goes in then."""
     prices, last, now = applied.prices, applied.last, applied.now
     if applied.settings.policy != "cost" or last is None or last.full or not cost.warm(last, now, prices):
         return False
