@@ -38,15 +38,15 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 10. Speaker: a question about what one side said ("the order in which I brought up", "what did you
    recommend") doubles the scores of that side's messages.
 
-Cost: `add` is O(message length). Postings are per-term `bytearray`s of native uint32
-`position << 8 | tf` (tf capped at 255, read through `memoryview.cast`), a bare int while a term
-has one posting. Not `array('I')`: arrays are objects the cyclic GC tracks, and its full
-collections walked every term of every cached conversation on the event loop; a dict of strings
-to ints and bytearrays is not tracked at all. Terms are interned so cached conversations share
-their strings. `search` reads a question's two ends only and ranks by at most 64 of its words, the
-rarest; it walks the postings of those that rank (not those in more than half the messages), reads
-per-session frequencies cached per queried term (brought up to date from new postings only), and is
-O(messages) for the time prior only when the question names a time.
+Cost: `add` is O(message length), up to the 32,000 characters it reads of a longer one. Postings are
+per-term `bytearray`s of native uint32 `position << 8 | tf` (tf capped at 255, read through
+`memoryview.cast`), a bare int while a term has one posting. Not `array('I')`: arrays are objects
+the cyclic GC tracks, and its full collections walked every term of every cached conversation on the
+event loop; a dict of strings to ints and bytearrays is not tracked at all. Terms are interned so
+cached conversations share their strings. `search` reads a question's two ends only and ranks by at
+most 64 of its words, the rarest; it walks the postings of those that rank (not those in more than
+half the messages), reads per-session frequencies cached per queried term (brought up to date from
+new postings only), and is O(messages) for the time prior only when the question names a time.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ _OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started
                       r"|\b(?:at|in)\s+the\s+(?:start|beginning)\b|\bto\s+start\s+(?:my|our|the|this)\b",
                       re.IGNORECASE)
 _MAX_TERMS = 64  # distinct words a question is searched by, the rarest in the conversation
+_INDEX_END = 16_000  # characters indexed at each end of a longer message
 _QUERY_END = 4000  # characters searched at each end of a longer question (and of the recent texts)
 _PHRASING = 1000  # characters at each end of a question that say what kind of question it is
 # Who the question asks about: what the user said ("the order in which I brought up", "did I
@@ -444,6 +445,9 @@ class RetrievalIndex:
                 text = text[m.end():]
                 if when is None:
                     when = _stamp_time(m)
+        # Indexing runs on the request path (the request after a message is stored): a pasted
+        # megabyte is read at its ends. Too long to fit an excerpt budget, it is only ever found by them.
+        text = _ends(text, _INDEX_END)
         terms = _words(text, p) if text else []
         tf: dict[str, int] = {}
         for t in terms:

@@ -407,3 +407,15 @@ def test_a_question_of_any_size_is_searched_by_a_bounded_set_of_words(monkeypatc
     scored.clear()
     index.search(f"{unknown} osprey?", budget_tokens=20, recent=["kestrel cluster", "kestrel eu-west"])
     assert scored and all(set(w) == {"osprey"} for w in scored)
+
+
+def test_a_message_of_any_size_is_indexed_by_its_two_ends() -> None:
+    """Indexing runs on the request path: a pasted megabyte is read at its ends (16,000 characters
+    each), so it costs no more than a long message. Too long for any excerpt budget, it is only
+    ever found by the words there."""
+    filler = "lorem ipsum dolor " * 60_000  # ~1 MB of one repeated phrase
+    messages = _conversation(20, plant={10: f"osprey {filler} kestrel {filler} heron"})
+    index = _index(messages)
+    assert [h.index for h in index.search("osprey", budget_tokens=20)] == [10]
+    assert [h.index for h in index.search("heron", budget_tokens=20)] == [10]
+    assert index.search("kestrel", budget_tokens=20) == []
