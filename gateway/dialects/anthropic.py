@@ -269,7 +269,13 @@ class Anthropic:
         return "\n\n".join(_an_text(system)) if isinstance(system, list) else ""
 
     def role(self, raw: dict[str, Any]) -> str:
-        return string(raw.get("role"))
+        role = string(raw.get("role"))
+        content = raw.get("content")
+        if role == "user" and type(content) is list and content and all(map(_is_result, content)):
+            # Only tool results: what a tool returned, not what the user said (the other dialects'
+            # "tool"), so the state, timeline and speaker prior do not take a file's text as the user's.
+            return "tool"
+        return role
 
     def text(self, raw: dict[str, Any]) -> str:
         return "\n".join(_an_text(raw.get("content")))
