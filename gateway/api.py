@@ -270,7 +270,9 @@ class ConversationAPI:
         turns = await self._guard(self.store.messages(ref, start, view.length))
 
         def rank() -> list[tuple[int, float]]:
-            index = RetrievalIndex()  # positions from 0 (it appends only): turns[i] is message start + i
+            # Positions from 0 (it appends only): turns[i] is message start + i. In a thread: every
+            # message is indexed whole, the middle of a pasted file too.
+            index = RetrievalIndex(index_end=None)
             for i, t in enumerate(turns):
                 index.add(i, t.role, t.text, t.time, t.tokens)
             found = index.search(query, budget_tokens=sum(t.tokens for t in turns) + 1)

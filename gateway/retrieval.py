@@ -38,7 +38,7 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 10. Speaker: a question about what one side said ("the order in which I brought up", "what did you
    recommend") doubles the scores of that side's messages.
 
-Cost: `add` is O(message length), up to the 32,000 characters it reads of a longer one. Postings are
+Cost: `add` is O(message length), up to the 128,000 characters it reads of a longer one. Postings are
 per-term `bytearray`s of native uint32 `position << 8 | tf` (tf capped at 255, read through
 `memoryview.cast`), a bare int while a term has one posting. Not `array('I')`: arrays are objects
 the cyclic GC tracks, and its full collections walked every term of every cached conversation on the
@@ -160,7 +160,9 @@ _OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started
                       r"|\b(?:at|in)\s+the\s+(?:start|beginning)\b|\bto\s+start\s+(?:my|our|the|this)\b",
                       re.IGNORECASE)
 _MAX_TERMS = 64  # distinct words a question is searched by, the rarest in the conversation
-_INDEX_END = 16_000  # characters indexed at each end of a longer message
+# Characters the request path indexes at each end of a longer message: 128,000 in all (about 32K
+# tokens, which only a history of about 400K tokens has the excerpt budget to quote).
+INDEX_END = 64_000
 _QUERY_END = 4000  # characters searched at each end of a longer question (and of the recent texts)
 _PHRASING = 1000  # characters at each end of a question that say what kind of question it is
 # Who the question asks about: what the user said ("the order in which I brought up", "did I
@@ -400,12 +402,15 @@ class RetrievalIndex:
     """Incremental lexical index over one conversation's messages, by position."""
 
     __slots__ = (
-        "_cost", "_events", "_last_secs", "_lengths", "_p", "_postings", "_roles", "_secs", "_sess_len", "_sess_start",
-        "_sess_tf", "_session", "_tokens", "_total_len", "side_bytes",
+        "_cost", "_events", "_index_end", "_last_secs", "_lengths", "_p", "_postings", "_roles", "_secs",
+        "_sess_len", "_sess_start", "_sess_tf", "_session", "_tokens", "_total_len", "side_bytes",
     )
 
-    def __init__(self, params: RankingParams | None = None) -> None:
+    def __init__(self, params: RankingParams | None = None, *, index_end: int | None = INDEX_END) -> None:
+        """`index_end`: characters indexed at each end of a longer message (None: all of it, for an
+        index built off the event loop)."""
         self._p = params or RankingParams()
+        self._index_end = index_end
         # term -> postings `position << 8 | tf`, ascending; a bare int while the term has one posting,
         # since ~40% of a conversation's words occur once and an array costs 80 bytes of overhead.
         self._postings: dict[str, int | bytearray] = {}
@@ -446,8 +451,9 @@ class RetrievalIndex:
                 if when is None:
                     when = _stamp_time(m)
         # Indexing runs on the request path (the request after a message is stored): a pasted
-        # megabyte is read at its ends. Too long to fit an excerpt budget, it is only ever found by them.
-        text = _ends(text, _INDEX_END)
+        # megabyte is read at its ends. Past what an excerpt budget can quote, it is found by them only.
+        if self._index_end is not None:
+            text = _ends(text, self._index_end)
         terms = _words(text, p) if text else []
         tf: dict[str, int] = {}
         for t in terms:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.retrieval import Excerpt, RankingParams, RetrievalIndex
+from gateway.retrieval import INDEX_END, Excerpt, RankingParams, RetrievalIndex
 
 _FILLER = (
     "What a great question! Here are some ideas for planning your week and staying organised.",
@@ -410,12 +410,21 @@ def test_a_question_of_any_size_is_searched_by_a_bounded_set_of_words(monkeypatc
 
 
 def test_a_message_of_any_size_is_indexed_by_its_two_ends() -> None:
-    """Indexing runs on the request path: a pasted megabyte is read at its ends (16,000 characters
-    each), so it costs no more than a long message. Too long for any excerpt budget, it is only
-    ever found by the words there."""
+    """Indexing runs on the request path: a pasted megabyte is read at its ends (64,000 characters
+    each, about 32K tokens in all), so it costs no more than a long message; past that, it is found
+    by the words there. An index built off the event loop (the conversation API's search) reads it all."""
     filler = "lorem ipsum dolor " * 60_000  # ~1 MB of one repeated phrase
-    messages = _conversation(20, plant={10: f"osprey {filler} kestrel {filler} heron"})
-    index = _index(messages)
-    assert [h.index for h in index.search("osprey", budget_tokens=20)] == [10]
-    assert [h.index for h in index.search("heron", budget_tokens=20)] == [10]
-    assert index.search("kestrel", budget_tokens=20) == []
+    end = INDEX_END - len("osprey ")
+    text = f"osprey {filler[: end - 20]} sandpiper {filler} kestrel {filler} plover {filler[: end - 20]} heron"
+    messages = _conversation(20, plant={10: text})
+    tokens = [20] * 20
+    tokens[10] = len(text) // 4  # what it costs to quote: a budget that holds it
+    index = _index(messages, tokens)
+    budget = len(text)
+    for word in ("osprey", "sandpiper", "plover", "heron"):  # the ends, to their last word
+        assert 10 in [h.index for h in index.search(word, budget_tokens=budget)], word
+    assert index.search("kestrel", budget_tokens=budget) == []
+    whole = RetrievalIndex(index_end=None)
+    for i, (role, msg, time) in enumerate(messages):
+        whole.add(i, role, msg, time, tokens[i])
+    assert 10 in [h.index for h in whole.search("kestrel", budget_tokens=budget)]
