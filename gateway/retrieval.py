@@ -451,7 +451,7 @@ class RetrievalIndex:
                 if when is None:
                     when = _stamp_time(m)
         # Indexing runs on the request path (the request after a message is stored): a pasted
-        # megabyte is read at its ends. Past what an excerpt budget can quote, it is found by them only.
+        # megabyte is read at its ends, and found by the words there only.
         if self._index_end is not None:
             text = _ends(text, self._index_end)
         terms = _words(text, p) if text else []
