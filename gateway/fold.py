@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Protocol, TypeVar
 
 from gateway import timeline
+from gateway.dialects.base import Dialect
 from gateway.model import Message
 from gateway.rewrite import align_boundary
 from gateway.state import Ledger
@@ -267,6 +268,19 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
 
         lines = extended() if summarizer.local else await asyncio.to_thread(extended)
     return SummaryResult(timeline.compose(lines, text), tokens_in, tokens_out)
+
+
+def spoken(dialect: Dialect, turns: Sequence[Message]) -> list[Message]:
+    """The messages as the summary, timeline and state read them: with the role the dialect gives
+    them now (a message stored by an older gateway may hold an older one) and, where a tool's output
+    sits beside the author's own words, those words alone: a file a tool read is not the user's goal."""
+    out = list(turns)
+    for i, t in enumerate(out):
+        if t.raw:
+            role, said = dialect.role(t.raw), dialect.said(t.raw)
+            if role != t.role or said is not None:
+                out[i] = replace(t, role=role, text=t.text if said is None else said)
+    return out
 
 
 def slim(turns: Sequence[Message]) -> list[Message]:

@@ -801,7 +801,7 @@ class Memory:
         read = max(state.mark(ledger, ref.conversation), view.summary.covers if view.summary is not None else 0)
         if length - read < max(2, mem.fold_batch // 2):
             return
-        turns = await self.store.messages(ref, read, length)
+        turns = fold.spoken(req.dialect, await self.store.messages(ref, read, length))
         updated = await asyncio.to_thread(state.extract, ledger, turns, read)
         if await self.store.put_state(ref, state.marked(updated, ref.conversation, read + len(turns)).dump(),
                                       expect_version=view.state_version) and updated is not ledger:

@@ -320,7 +320,7 @@ class FoldWorker:
                                   fold_tokens=mem.fold_tokens, urgent=urgent)
         if target is None:
             return None
-        return view, turns[: target - covers], covers, target
+        return view, fold.spoken(dialect, turns[: target - covers]), covers, target
 
     async def fold_conversation(self, ref: ConvRef, *, urgent: bool = False, job_id: str | None = None) -> str:
         """Fold one conversation once: "ok", "noop" (nothing due), "conflict" (CAS refused) or "busy"."""

@@ -280,6 +280,14 @@ class Anthropic:
     def text(self, raw: dict[str, Any]) -> str:
         return "\n".join(_an_text(raw.get("content")))
 
+    def said(self, raw: dict[str, Any]) -> str | None:
+        content = raw.get("content")
+        if (string(raw.get("role")) != "user" or type(content) is not list or not any(map(_is_result, content))
+                or all(map(_is_result, content))):
+            return None  # its own words, or (role "tool") only what tools returned
+        # Tool results with text of the user's (or its harness's, e.g. a <system-reminder>) beside them.
+        return "\n".join(_an_text([b for b in content if not _is_result(b)]))
+
     def canonical(self, raw: dict[str, Any]) -> str:
         plain = plain_canonical(raw)
         if plain is not None:

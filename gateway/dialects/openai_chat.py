@@ -215,6 +215,9 @@ class OpenAIChat(OpenAIWire):
     def role(self, raw: dict[str, Any]) -> str:
         return string(raw.get("role"))
 
+    def said(self, raw: dict[str, Any]) -> str | None:
+        return None  # tool output comes in messages of its own
+
     def text(self, raw: dict[str, Any]) -> str:
         out = _oa_text(raw.get("content"))
         refusal = raw.get("refusal")

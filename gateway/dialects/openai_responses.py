@@ -158,6 +158,9 @@ class OpenAIResponses(OpenAIWire):
             return "tool"
         return "assistant"  # function_call, reasoning, *_call, item_reference: model output
 
+    def said(self, raw: dict[str, Any]) -> str | None:
+        return None  # tool output comes in messages of its own
+
     def text(self, raw: dict[str, Any]) -> str:
         kind = raw.get("type")
         if kind is None or kind == "message":
