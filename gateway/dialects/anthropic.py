@@ -177,6 +177,29 @@ def _blocks(content: Any) -> list[Any]:
     return list(content) if isinstance(content, list) else []
 
 
+_REMINDER_OPEN, _REMINDER_CLOSE = "<system-reminder>", "</system-reminder>"
+
+
+def _without_reminders(text: str) -> str:
+    """`text` less its <system-reminder> sections: notes Claude Code adds to user messages (file
+    contents, tool lists, "you MUST refuse ..."), not words of the user's. The same object when it
+    has none. Linear: str.find, no backtracking pattern over a message of any size."""
+    at = text.find(_REMINDER_OPEN)
+    if at < 0:
+        return text
+    parts, pos = [], 0
+    while at >= 0:
+        parts.append(text[pos:at])
+        end = text.find(_REMINDER_CLOSE, at)
+        if end < 0:
+            pos = len(text)  # unclosed: the rest is the note's
+            break
+        pos = end + len(_REMINDER_CLOSE)
+        at = text.find(_REMINDER_OPEN, pos)
+    parts.append(text[pos:])
+    return "".join(parts).strip()
+
+
 def _is_result(block: Any) -> bool:
     return isinstance(block, dict) and block.get("type") == "tool_result"
 
@@ -282,11 +305,16 @@ class Anthropic:
 
     def said(self, raw: dict[str, Any]) -> str | None:
         content = raw.get("content")
-        if (string(raw.get("role")) != "user" or type(content) is not list or not any(map(_is_result, content))
-                or all(map(_is_result, content))):
-            return None  # its own words, or (role "tool") only what tools returned
-        # Tool results with text of the user's (or its harness's, e.g. a <system-reminder>) beside them.
-        return "\n".join(_an_text([b for b in content if not _is_result(b)]))
+        if string(raw.get("role")) != "user":
+            return None
+        if isinstance(content, str):
+            own = _without_reminders(content)
+            return None if own is content else own
+        if type(content) is not list or all(map(_is_result, content)):
+            return None  # (only tool results: role "tool", text all the tool's)
+        text = "\n".join(_an_text([b for b in content if not _is_result(b)]))
+        own = _without_reminders(text)
+        return own if own is not text or any(map(_is_result, content)) else None
 
     def canonical(self, raw: dict[str, Any]) -> str:
         plain = plain_canonical(raw)
