@@ -611,14 +611,20 @@ class RetrievalIndex:
             # On the question's own words: the expansion's come from the window's last texts.
             own = scores if len(asked) == len(weights) else self._bm25(asked, n)
             skip = exclude if callable(exclude) else exclude.__contains__
+            toks = self._tokens
             in_window = max((v for d, v in own.items() if d >= window_start), default=0.0)
-            earlier = max((v for d, v in own.items() if d < window_start and not skip(d)), default=0.0)
+            # Only what the budget can quote reaches back: a pasted file past it would recall its weaker rivals.
+            earlier = max((v for d, v in own.items() if d < window_start and not skip(d) and toks[d] <= budget_tokens),
+                          default=0.0)
             # No earlier message shares a word with it: only the embeddings can say whether it reaches back.
             if in_window > 0 and in_window >= reach_back * earlier and (earlier > 0 or not dense):
                 return []
         if p.neighbour_weight > 0 and scores:
             scores = self._spread_to_neighbours(scores, n)
-        top = max(scores.values(), default=0.0) or 1.0
+        # The priors are scaled by the best score a message the budget could quote has: a pasted file
+        # too long to quote would otherwise set a scale that no quotable message's score shows.
+        toks = self._tokens
+        top = max((v for d, v in scores.items() if toks[d] <= budget_tokens), default=0.0) or 1.0
         if p.session_weight > 0 and scores:
             self._add_session_prior(weights, scores, n, top)
         if spans:
@@ -802,10 +808,10 @@ class RetrievalIndex:
         min_relevance: float = 0.0,
     ) -> list[Excerpt]:
         excluded = exclude if callable(exclude) else exclude.__contains__
-        if min_relevance > 0 and scores:
-            best = max((v for d, v in scores.items() if not excluded(d)), default=0.0)
-            scores = {d: v for d, v in scores.items() if v >= min_relevance * best}
         toks = self._tokens
+        if min_relevance > 0 and scores:
+            best = max((v for d, v in scores.items() if not excluded(d) and toks[d] <= budget), default=0.0)
+            scores = {d: v for d, v in scores.items() if v >= min_relevance * best}
         if self._p.cost_alpha > 0:
             # Value per token: a long answer matching on a few words should not crowd out ten short turns.
             div = self._cost

@@ -428,3 +428,26 @@ def test_a_message_of_any_size_is_indexed_by_its_two_ends() -> None:
     for i, (role, msg, time) in enumerate(messages):
         whole.add(i, role, msg, time, tokens[i])
     assert 10 in [h.index for h in whole.search("kestrel", budget_tokens=budget)]
+
+
+def test_a_message_too_long_to_quote_sets_no_scale_for_those_that_can_be() -> None:
+    """A pasted file that matches the question best but is past the budget is never quoted, so it
+    neither hides the quotable matches under min_relevance nor sends the question back past a window
+    that matches better than anything quotable."""
+    question = "Which kestrel cluster holds the billing ledger replicas?"
+    msgs = _conversation(60, plant={
+        24: "kestrel cluster billing ledger replicas: kestrel-eu-2 holds the billing ledger replicas.",
+        30: "The billing ledger runs on kestrel.",
+        55: "The kestrel cluster billing ledger replicas sit in eu-west.",
+    })
+    tokens = [20] * 60
+    tokens[24] = 50_000  # a pasted dump: no budget below holds it
+    index = _index(msgs, tokens)
+    found = [e.index for e in index.search(question, budget_tokens=5000, min_relevance=0.5, exclude=range(50, 60))]
+    assert 30 in found and 24 not in found  # (23 and 25 sit beside the file: its neighbours' share)
+    # The window (from 50) matches better than message 30, the best quotable earlier one: nothing recalled.
+    assert index.search(question, budget_tokens=5000, exclude=range(50, 60), window_start=50, reach_back=1.0) == []
+    tokens[24] = 20  # the same message, quotable: it is recalled
+    quotable = _index(msgs, tokens)
+    assert 24 in [e.index for e in quotable.search(question, budget_tokens=5000, exclude=range(50, 60),
+                                                   window_start=50, reach_back=1.0)]
