@@ -271,19 +271,16 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
 
 
 def spoken(dialect: Dialect, turns: Sequence[Message]) -> list[Message]:
-    """The messages as the summary, timeline and state read them: with the role the dialect gives
-    them now (a message stored by an older gateway may hold an older one) and only the words their
-    author wrote (`Dialect.said`): a file a tool read, or a client's note beside the user's words, is
-    not the user's goal. A message with nothing of its author's is the tool's (its output kept, as a
-    tool message's) or, when it holds no tool result either, an empty system note."""
+    """The messages as the summary, timeline and state read them (`Dialect.spoken`): with the role the
+    dialect gives them now (a message stored by an older gateway may hold an older one) and only the
+    words their author wrote: a file a tool read, or a client's note beside the user's words, is not
+    the user's goal. A message with nothing of its author's is the tool's output, or an empty note."""
     out = list(turns)
     for i, t in enumerate(out):
         if t.raw:
-            role, said = dialect.role(t.raw), dialect.said(t.raw)
-            if said is not None and not said:
-                role, said = ("tool", None) if dialect.tool_results(t.raw) else ("system", "")
-            if role != t.role or said is not None:
-                out[i] = replace(t, role=role, text=t.text if said is None else said)
+            role, text = dialect.spoken(t.raw) or (dialect.role(t.raw), t.text)
+            if role != t.role or text is not t.text:
+                out[i] = replace(t, role=role, text=text)
     return out
 
 

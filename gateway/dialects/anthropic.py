@@ -181,21 +181,23 @@ _REMINDER_OPEN, _REMINDER_CLOSE = "<system-reminder>", "</system-reminder>"
 
 
 def _without_reminders(text: str) -> str:
-    """`text` less its <system-reminder> sections: notes Claude Code adds to user messages (file
-    contents, tool lists, "you MUST refuse ..."), not words of the user's. The same object when it
-    has none. Linear: str.find, no backtracking pattern over a message of any size."""
+    """`text` less its <system-reminder> sections: notes Claude Code adds to user messages and tool
+    results (file contents, tool lists, "you MUST refuse ..."), not words of the user's. The same
+    object when it has none. A tag never closed is kept as written: Claude Code closes its notes, so
+    it is someone writing about the tag. Linear: str.find, no backtracking pattern."""
     at = text.find(_REMINDER_OPEN)
     if at < 0:
         return text
     parts, pos = [], 0
     while at >= 0:
-        parts.append(text[pos:at])
         end = text.find(_REMINDER_CLOSE, at)
         if end < 0:
-            pos = len(text)  # unclosed: the rest is the note's
             break
+        parts.append(text[pos:at])
         pos = end + len(_REMINDER_CLOSE)
         at = text.find(_REMINDER_OPEN, pos)
+    if pos == 0:
+        return text
     parts.append(text[pos:])
     return "".join(parts).strip()
 
@@ -303,18 +305,26 @@ class Anthropic:
     def text(self, raw: dict[str, Any]) -> str:
         return "\n".join(_an_text(raw.get("content")))
 
-    def said(self, raw: dict[str, Any]) -> str | None:
+    def spoken(self, raw: dict[str, Any]) -> tuple[str, str] | None:
         content = raw.get("content")
         if string(raw.get("role")) != "user":
             return None
-        if isinstance(content, str):
+        if type(content) is str:
             own = _without_reminders(content)
-            return None if own is content else own
-        if type(content) is not list or all(map(_is_result, content)):
-            return None  # (only tool results: role "tool", text all the tool's)
-        text = "\n".join(_an_text([b for b in content if not _is_result(b)]))
-        own = _without_reminders(text)
-        return own if own is not text or any(map(_is_result, content)) else None
+            return None if own is content else ("user", own) if own else ("system", "")
+        if type(content) is not list:
+            return None
+        results = [b for b in content if _is_result(b)]
+        # Block by block: a note is a block of its own (or ends a tool result's text).
+        texts = [t for t in map(_without_reminders, _an_text([b for b in content if not _is_result(b)])) if t]
+        returned = [t for t in map(_without_reminders, _an_text(results)) if t]
+        if texts:
+            role, text = "user", "\n".join(texts)
+        elif results:
+            role, text = "tool", "\n".join(returned)
+        else:
+            role, text = "system", ""
+        return None if (role, text) == (self.role(raw), self.text(raw)) else (role, text)
 
     def canonical(self, raw: dict[str, Any]) -> str:
         plain = plain_canonical(raw)

@@ -215,7 +215,7 @@ class OpenAIChat(OpenAIWire):
     def role(self, raw: dict[str, Any]) -> str:
         return string(raw.get("role"))
 
-    def said(self, raw: dict[str, Any]) -> str | None:
+    def spoken(self, raw: dict[str, Any]) -> tuple[str, str] | None:
         return None  # tool output comes in messages of its own
 
     def text(self, raw: dict[str, Any]) -> str:

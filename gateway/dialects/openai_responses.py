@@ -158,7 +158,7 @@ class OpenAIResponses(OpenAIWire):
             return "tool"
         return "assistant"  # function_call, reasoning, *_call, item_reference: model output
 
-    def said(self, raw: dict[str, Any]) -> str | None:
+    def spoken(self, raw: dict[str, Any]) -> tuple[str, str] | None:
         return None  # tool output comes in messages of its own
 
     def text(self, raw: dict[str, Any]) -> str:
