@@ -624,7 +624,12 @@ class RetrievalIndex:
         # The priors are scaled by the best score a message the budget could quote has: a pasted file
         # too long to quote would otherwise set a scale that no quotable message's score shows.
         toks = self._tokens
-        top = max((v for d, v in scores.items() if toks[d] <= budget_tokens), default=0.0) or 1.0
+        top = max((v for d, v in scores.items() if toks[d] <= budget_tokens), default=0.0)
+        if not top and min_relevance > 0 and not dense:
+            # No quotable message shares a word with the question: the priors alone would decide what
+            # passes, and min_relevance asks for matches.
+            return []
+        top = top or 1.0
         if p.session_weight > 0 and scores:
             self._add_session_prior(weights, scores, n, top)
         if spans:
@@ -646,7 +651,7 @@ class RetrievalIndex:
                 roles = self._roles
                 scores = {d: v * boost if roles[d] == side else v for d, v in scores.items()}
         if dense:
-            scores = self._fuse(scores, dense, exclude)
+            scores = self._fuse(scores, dense, exclude, budget_tokens)
         return self._fill(scores, budget_tokens, exclude, min_relevance)
 
     # ---------------------------------------------------------------------------------- internals
@@ -775,6 +780,7 @@ class RetrievalIndex:
         scores: dict[int, float],
         dense: Sequence[tuple[int, float]],
         exclude: Callable[[int], bool] | set[int] | frozenset[int] | range,
+        budget: int,
     ) -> dict[int, float]:
         p = self._p
         n = len(self._lengths)
@@ -782,7 +788,8 @@ class RetrievalIndex:
         if not dense:
             return scores
         if p.fusion == "sum":
-            top = max(scores.values(), default=0.0) or 1.0
+            toks = self._tokens  # (the scale of what the budget can quote, as for the priors)
+            top = max((v for d, v in scores.items() if toks[d] <= budget), default=0.0) or 1.0
             floor = dense[-1][1]
             span = dense[0][1] - floor
             fused = dict(scores)

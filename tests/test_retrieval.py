@@ -451,3 +451,22 @@ def test_a_message_too_long_to_quote_sets_no_scale_for_those_that_can_be() -> No
     quotable = _index(msgs, tokens)
     assert 24 in [e.index for e in quotable.search(question, budget_tokens=5000, exclude=range(50, 60),
                                                    window_start=50, reach_back=1.0)]
+
+
+def test_the_priors_and_the_fusion_are_scaled_by_what_can_be_quoted() -> None:
+    """A pasted file past the budget (with its neighbours) matches every word of the question: the
+    session prior it would scale lifts filler of its session over the neighbour of the one quotable
+    match; the embeddings' nearest message is scaled against that match, not against the file; and
+    with min_relevance, no quotable word match means nothing, not the file's session."""
+    question = "Which kestrel cluster holds the billing ledger replicas?"
+    dump = "kestrel cluster billing ledger replicas: kestrel-eu-2 holds the billing ledger replicas."
+    tokens = [20] * 60
+    for d in (23, 24, 25):
+        tokens[d] = 50_000
+    index = _index(_conversation(60, plant={24: dump, 45: "The billing ledger runs on kestrel."}), tokens)
+    assert [e.index for e in index.search(question, budget_tokens=40)] == [44, 45]
+    dense = [(10, 0.9), (45, 0.3), (33, 0.1)]  # 10 shares no word with the question
+    fused = {e.index: e.score for e in index.search(question, budget_tokens=40, dense=dense)}
+    assert set(fused) == {10, 45} and fused[10] < 0.5 * fused[45]
+    alone = _index(_conversation(60, plant={24: dump}), tokens)
+    assert alone.search(question, budget_tokens=200, min_relevance=0.5) == []
