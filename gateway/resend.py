@@ -279,16 +279,18 @@ def _items_end(data: bytes, start: int, lead: bytes, items: list[Any], *, after:
         hi = p
         try:
             rest = orjson.loads(_OPEN + data[p:])
+            if rest.pop(_SENTINEL, None) != [0] or rest != after:
+                continue
         except orjson.JSONDecodeError:
             continue
-        if rest.pop(_SENTINEL, None) != [0] or rest != after:
-            continue
+        except RecursionError:
+            return None  # (==) nested past the interpreter's limit: parsed whole, and refused as too deep
         q = p
         while q > start and data[q - 1] in _SPACE:
             q -= 1
         try:
             parsed = orjson.loads(lead + data[start:q] + b"]")
-        except orjson.JSONDecodeError:
+            return q if parsed == items else None
+        except (orjson.JSONDecodeError, RecursionError):
             return None
-        return q if parsed == items else None
     return None

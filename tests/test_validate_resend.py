@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from gateway import validate
@@ -51,3 +52,38 @@ async def test_a_resent_history_is_checked_where_it_is_new(redis_url: str) -> No
                 assert (await r.json())["error"]["type"] == "invalid_request_error"
         await g.settle()
         assert await g.messages("resent") == stored
+
+
+def _with_deep(body: dict[str, Any]) -> bytes:
+    """`body` as JSON with its "DEEP" string a list nested 1,000 levels (no encoder writes that)."""
+    return json.dumps(body).replace('"DEEP"', "[" * 1000 + '"leaf"' + "]" * 1000).encode()
+
+
+async def test_nesting_past_the_interpreter_limit_is_a_400_or_relayed_never_a_500(redis_url: str) -> None:
+    """A body over the resend parser's 16 KiB, nested 1,000 levels in a tool result, is refused as too
+    deep (it used to 500 comparing what it parsed); tool-call arguments that are a JSON string nested
+    1,000 levels (a string: not checked for depth) are hashed as sent, in both dialects."""
+    headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "deep", "anthropic-version": "2023-06-01"}
+    deep_args = "[" * 1000 + "]" * 1000
+    async with memory_gateway(redis_url) as g:
+        pad = {"role": "user", "content": "x " * 9000}
+        use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]}
+        done = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}
+        for conv, turns, want in (
+            ("deep-list", [pad, use, {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "DEEP"}]}], 400),
+            ("deep-input", [pad, {**use, "content": [{**use["content"][0], "input": deep_args}]}, done], 200),
+        ):
+            body = {"model": "claude-test", "max_tokens": 5, "messages": turns}
+            async with g.http.post(f"{g.url}/v1/messages", data=_with_deep(body),
+                                   headers={**headers, "X-Conversation-Id": conv,
+                                            "Content-Type": "application/json"}) as r:
+                assert r.status == want, await r.text()
+                if want == 400:
+                    assert (await r.json())["type"] == "error"
+        chat = {"model": "gpt-test", "messages": [
+            pad, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep_args}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+        async with g.http.post(f"{g.url}/v1/chat/completions", json=chat, headers=headers) as r:
+            assert r.status == 200, await r.text()

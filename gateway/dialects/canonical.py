@@ -46,8 +46,10 @@ def norm_args(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             return dumps(orjson.loads(arguments))
-        except orjson.JSONDecodeError:
-            return arguments  # partial or non-JSON arguments: compare them as sent
+        except (orjson.JSONDecodeError, RecursionError):
+            # Partial or non-JSON arguments, or JSON nested past what can be written back (a string
+            # is not checked for depth at the edge): compared as sent.
+            return arguments
     if arguments is None:
         return ""
     return dumps(arguments)
