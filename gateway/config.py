@@ -203,6 +203,9 @@ class MemorySettings(_Strict):
     # `too-many-messages`): each message costs the event loop some microseconds to check, count and
     # store, so one import of hundreds of thousands would stall every other request for seconds.
     max_messages: int = Field(20_000, ge=1)
+    # Likewise for content parts (a message's content items, and a tool result's): relayed unchanged,
+    # not stored (reason `too-many-parts`).
+    max_parts: int = Field(20_000, ge=1)
     keep_recent: int = Field(10, ge=1)
     keep_initial: int = Field(0, ge=0)
     fold_batch: int = Field(10, ge=1)

@@ -148,7 +148,7 @@ class Proxy:
         self.upstreams: dict[str, Upstream] = upstreams(settings)
         self.conversation_headers = tuple(settings.conversation.headers)
         self.project_headers = tuple(settings.conversation.project_headers)
-        self.bodies = ResendParser()
+        self.bodies = ResendParser(max_parts=settings.memory.max_parts)
         self.client: HTTPClient | None = None  # opened by the app's cleanup_ctx, inside the event loop
         self.hop_id = os.urandom(6).hex()
 

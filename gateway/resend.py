@@ -43,6 +43,8 @@ from typing import Any
 
 import orjson
 
+from gateway.validate import parts_over
+
 _SENTINEL = "\x00"
 _OPEN = b'{"\\u0000":[0'
 _NUL = b"\\u0000"
@@ -118,8 +120,9 @@ class ResendParser:
     bytes they hold, parsed objects included)."""
 
     def __init__(self, max_bytes: int = 64 << 20, min_bytes: int = 16 << 10,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_parts: int = 20_000) -> None:
         self.max_bytes = max_bytes
+        self.max_parts = max_parts  # memory.max_parts: a history of more is relayed, never remembered
         self.min_bytes = min_bytes  # smaller bodies parse in a few microseconds: not worth remembering
         self.clock = clock
         self._known: OrderedDict[Hashable, _Known] = OrderedDict()
@@ -170,6 +173,8 @@ class ResendParser:
             self._forget(key)
         elif not new:
             self._put(key, replace(known, used=self.clock()))
+        elif parts_over(new, self.max_parts):
+            self._forget(key)
         else:
             end = _items_end(tail, 0, b"[0", [0, *new], after=doc)
             if end is None:
@@ -186,8 +191,8 @@ class ResendParser:
         if not isinstance(body, dict) or not self._room(estimate_held(raw), previous):
             return
         items = body.get(field)
-        if not isinstance(items, list) or not items:
-            return
+        if not isinstance(items, list) or not items or parts_over(items, self.max_parts):
+            return  # (a history of more parts than the memory path takes is not walked to be held)
         start = _items_start(raw, field)
         if start is None:
             return

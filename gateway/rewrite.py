@@ -46,6 +46,7 @@ TOO_LARGE = "too-large"  # the newest turn alone is over the budget: sent as it 
 MEMORY_OFF = "memory-off"  # X-Memory: off, or memory.enabled false
 NOT_REWRITABLE = "not-rewritable"  # no history the gateway can rewrite (e.g. Responses with previous_response_id)
 TOO_MANY_MESSAGES = "too-many-messages"  # more messages than memory.max_messages: relayed, not stored
+TOO_MANY_PARTS = "too-many-parts"  # more content parts than memory.max_parts: relayed, not stored
 OTHER_DIALECT = "other-dialect"  # the conversation id is stored in another API's format
 DEGRADED = "degraded"  # the store is unreachable: sent unchanged, not recorded
 REASONS = (UNDER_THRESHOLD, REWRITTEN, OVER_BUDGET, NO_SAVING, CHEAPER_CACHED, NO_CLEAN_CUT, TOO_LARGE)

@@ -52,6 +52,30 @@ RESPONSES_ITEM: dict[str, Types] = {
 RESPONSES_PART: dict[str, Types] = {"type": _S, "text": _S, "refusal": _S, "filename": _S_N}
 
 
+def parts_over(messages: Any, limit: int) -> bool:
+    """Do `messages` hold more than `limit` content parts (each message's content items, and the items
+    of a part's own content, as a tool result's)? Every part costs the event loop microseconds to
+    check, hash, read and remember, so a single message of a million parts would stall every other
+    request for seconds. Reads at most `limit` parts plus one per message: bounded whatever the body."""
+    if not isinstance(messages, list):
+        return False
+    left = limit
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if type(content) is not list:
+            continue
+        left -= len(content)
+        if left < 0:
+            return True
+        for part in content:
+            inner = part.get("content") if isinstance(part, dict) else None
+            if type(inner) is list:
+                left -= len(inner)
+                if left < 0:
+                    return True
+    return False
+
+
 class Invalid(Exception):
     """Where the body departs from its dialect's shape (the 400's message)."""
 

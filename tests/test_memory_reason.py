@@ -51,6 +51,33 @@ async def test_a_request_over_max_messages_is_relayed_and_not_stored(redis_url: 
         assert (await g.api("GET", "import"))[1]["messages"] == 41
 
 
+async def test_a_request_over_max_parts_is_relayed_and_not_stored(redis_url: str) -> None:
+    """More content parts than memory.max_parts, in one message or in a tool result's own content
+    (Anthropic): relayed as sent, reason too-many-parts, nothing stored; at the limit, kept as usual.
+    (Each part costs the event loop microseconds: a million of them stalled every request for seconds.)"""
+    async with memory_gateway(redis_url, memory={"max_parts": 30}) as g:
+        client = g.anthropic()
+        use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": {}}]}
+
+        def result(n: int) -> dict[str, Any]:
+            return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                 "content": [{"type": "text", "text": f"f{i}"} for i in range(n)]}]}
+
+        wide = [{"role": "user", "content": [{"type": "text", "text": f"p{i}"} for i in range(31)]}]
+        for conv, messages in (("wide", wide), ("deep", [{"role": "user", "content": "ls"}, use, result(30)])):
+            raw = await client.messages.with_raw_response.create(
+                model="claude-test", max_tokens=5, messages=messages, extra_headers={"X-Conversation-Id": conv})
+            assert raw.headers["x-gateway-reason"] == "too-many-parts", conv
+            assert g.last("/messages").body["messages"] == messages
+            assert (await g.api("GET", conv))[0] == 404
+        ok = [{"role": "user", "content": "ls"}, use, result(27)]  # 1 + 1 + 1 + 27 parts: at the limit
+        raw = await client.messages.with_raw_response.create(
+            model="claude-test", max_tokens=5, messages=ok, extra_headers={"X-Conversation-Id": "ok"})
+        assert raw.headers["x-gateway-reason"] != "too-many-parts"
+        await g.settle()
+        assert (await g.api("GET", "ok"))[0] == 200
+
+
 async def test_a_turn_over_the_gateways_budget_goes_to_the_provider_as_sent(redis_url: str) -> None:
     """A newest turn over the gateway's budget (budget_ratio x the window, less max output) is not
     refused: the client's own request goes upstream as sent, marked too-large, and is stored."""

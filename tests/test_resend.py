@@ -264,3 +264,20 @@ def test_any_sequence_of_bodies_parses_as_orjson_parses_it(before: dict[str, Any
         members = {**before, "messages": history, **{k: v for k, v in after.items() if k not in before}}
         raw = json.dumps(members, indent=indent, ensure_ascii=False).encode()
         assert parser.loads("c", raw, "messages") == orjson.loads(raw)
+
+
+def test_a_history_of_more_parts_than_the_memory_path_takes_is_never_remembered() -> None:
+    """Remembering a history walks every object it parsed to: a message of many parts is parsed
+    (correctly) but neither learned nor extended, as the memory path relays it without reading it."""
+    parser = ResendParser(min_bytes=0, max_parts=10)
+    parts = [{"type": "text", "text": f"p{i}"} for i in range(11)]
+    history = [_message(0), {"role": "assistant", "content": parts}]
+    body = _body(history)
+    assert parser.loads("c", body, "messages") == orjson.loads(body)
+    assert "c" not in parser._known
+    history = [_message(0), _message(1)]
+    parser.loads("d", _body(history), "messages")
+    assert "d" in parser._known  # a small history is learned; a new turn of many parts forgets it
+    history.append({"role": "user", "content": parts})
+    assert parser.loads("d", _body(history), "messages") == orjson.loads(_body(history))
+    assert "d" not in parser._known
