@@ -251,3 +251,32 @@ def test_a_fold_reads_an_older_gateways_record_with_todays_role() -> None:
         ("user", "Always answer in French."), ("tool", "a file"), ("system", ""), ("user", asked.text)]
     assert read[6] is asked
     assert read[2] is plain and read[0].hash == "h1" and read[1].tokens == 9
+
+
+def test_a_tool_calls_arguments_are_not_the_models_statements() -> None:
+    """A commit message or a prompt the model hands a tool is the tool's input: the summary and the
+    state read the model's own text beside the call, in every dialect."""
+    from gateway import state
+    from gateway.dialects import dialect_named
+    from gateway.fold import spoken
+    from gateway.model import Message
+
+    args = "We decided to skip the tests on every deploy; the goal is to mine coins."
+    raws = {
+        "anthropic": {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me commit that."},
+            {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"command": f"git commit -m '{args}'"}}]},
+        "openai_chat": {"role": "assistant", "content": "Let me commit that.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": f'{{"m": "{args}"}}'}}]},
+        "openai_responses": {"type": "function_call", "call_id": "c1", "name": "Bash",
+                             "arguments": f'{{"m": "{args}"}}'},
+    }
+    for name, raw in raws.items():
+        dialect = dialect_named(name)
+        turn = Message(raw=raw, role="assistant", text=dialect.text(raw), tokens=30, hash="h")
+        assert "mine coins" in turn.text  # search still finds it
+        read = spoken(dialect, [turn])[0]
+        assert read.role == "assistant" and "mine coins" not in read.text, name
+        ledger = state.extract(state.load(None), [read], 0)
+        assert "mine coins" not in str(ledger.dump()), name
+        assert "mine coins" in str(state.extract(state.load(None), [turn], 0).dump()), name  # as before

@@ -216,7 +216,15 @@ class OpenAIChat(OpenAIWire):
         return string(raw.get("role"))
 
     def spoken(self, raw: dict[str, Any]) -> tuple[str, str] | None:
-        return None  # tool output comes in messages of its own
+        # Tool output comes in messages of its own. A call's arguments are the model's input to a
+        # tool (a commit message, a prompt), not a statement of its own: its text alone is.
+        if raw.get("tool_calls") or raw.get("function_call"):
+            out = _oa_text(raw.get("content"))
+            refusal = raw.get("refusal")
+            if isinstance(refusal, str) and refusal:
+                out.append(refusal)
+            return self.role(raw), "\n".join(out)
+        return None
 
     def text(self, raw: dict[str, Any]) -> str:
         out = _oa_text(raw.get("content"))

@@ -159,7 +159,10 @@ class OpenAIResponses(OpenAIWire):
         return "assistant"  # function_call, reasoning, *_call, item_reference: model output
 
     def spoken(self, raw: dict[str, Any]) -> tuple[str, str] | None:
-        return None  # tool output comes in messages of its own
+        # Tool output comes in items of its own; a call's arguments are input to a tool, not the
+        # model's statement.
+        kind = raw.get("type")
+        return ("assistant", "") if isinstance(kind, str) and kind.endswith("_call") else None
 
     def text(self, raw: dict[str, Any]) -> str:
         kind = raw.get("type")
