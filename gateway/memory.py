@@ -340,7 +340,7 @@ class Memory:
                         limit=mem.max_messages)
             return Prepared(body=None, headers={"x-gateway-context": "passthrough",
                                                 "x-gateway-reason": rewrite.TOO_MANY_MESSAGES})
-        if validate.parts_over(history, mem.max_parts):
+        if validate.body_parts_over(call.body, dialect.history_field, mem.max_parts):
             log.warning("memory.too_many_parts", conversation=ref.conversation, limit=mem.max_parts)
             return Prepared(body=None, headers={"x-gateway-context": "passthrough",
                                                 "x-gateway-reason": rewrite.TOO_MANY_PARTS})

@@ -52,28 +52,47 @@ RESPONSES_ITEM: dict[str, Types] = {
 RESPONSES_PART: dict[str, Types] = {"type": _S, "text": _S, "refusal": _S, "filename": _S_N}
 
 
-def parts_over(messages: Any, limit: int) -> bool:
-    """Do `messages` hold more than `limit` content parts (each message's content items, and the items
-    of a part's own content, as a tool result's)? Every part costs the event loop microseconds to
-    check, hash, read and remember, so a single message of a million parts would stall every other
-    request for seconds. Reads at most `limit` parts plus one per message: bounded whatever the body."""
-    if not isinstance(messages, list):
-        return False
+def parts_over(items: Any, limit: int, levels: int = 3) -> bool:
+    """Do `items` (messages, or input items) hold more than `limit` parts: the entries of every array
+    in them (content, tool_calls, a Responses output), of every array in those entries (a tool
+    result's content), and so on `levels` deep? Every part costs the event loop microseconds to
+    check, hash, read and remember, so one message of a million parts would stall every other request
+    for seconds. Stops once past `limit`: reads at most `limit` parts and the items themselves."""
+    return _left(items, limit, levels) < 0
+
+
+def body_parts_over(body: dict[str, Any], history_field: str, limit: int) -> bool:
+    """`parts_over` for a whole request: its history's parts, and the entries of its other arrays
+    (system blocks, instructions, tools) with their own parts, against one limit."""
     left = limit
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if type(content) is not list:
-            continue
-        left -= len(content)
-        if left < 0:
-            return True
-        for part in content:
-            inner = part.get("content") if isinstance(part, dict) else None
-            if type(inner) is list:
-                left -= len(inner)
-                if left < 0:
-                    return True
-    return False
+    others: list[Any] = []
+    for name, value in body.items():
+        if name != history_field and type(value) is list:
+            left -= len(value)
+            if left < 0:
+                return True
+            others.extend(value)
+    left = _left(others, left, 2)
+    return left < 0 or _left(body.get(history_field), left, 3) < 0
+
+
+def _left(items: Any, left: int, levels: int) -> int:
+    """`left` less the parts in `items`, `levels` deep; negative (and no further read) once past it."""
+    frontier = items if type(items) is list else []
+    for level in range(levels):
+        deeper: list[Any] = []
+        for obj in frontier:
+            if type(obj) is not dict:
+                continue
+            for value in obj.values():
+                if type(value) is list:
+                    left -= len(value)
+                    if left < 0:
+                        return left
+                    if level + 1 < levels:
+                        deeper.extend(value)
+        frontier = deeper
+    return left
 
 
 class Invalid(Exception):

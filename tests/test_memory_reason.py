@@ -90,3 +90,24 @@ async def test_a_turn_over_the_gateways_budget_goes_to_the_provider_as_sent(redi
         assert (raw.headers["x-gateway-context"], raw.headers["x-gateway-reason"]) == ("full", "too-large")
         assert g.last("/chat/completions").body["messages"] == big
         assert (await g.api("GET", "big-turn"))[1]["messages"] == 2
+
+
+def test_parts_are_counted_wherever_a_body_holds_them() -> None:
+    """Tool calls, a tool result inside a tool result, system blocks, Responses outputs and
+    instructions, a chat system message's parts: all count against max_parts, on one budget."""
+    from gateway.validate import body_parts_over
+
+    many = [{"type": "text", "text": "a"}] * 11
+    bodies = {
+        "tool_calls": ("messages", {"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}] * 11}]}),
+        "nested result": ("messages", {"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "content": [{"type": "tool_result", "content": many}]}]}]}),
+        "system blocks": ("messages", {"system": many, "messages": []}),
+        "responses output": ("input", {"input": [{"type": "function_call_output", "output": many}]}),
+        "instructions": ("input", {"instructions": many, "input": []}),
+        "chat system": ("messages", {"messages": [{"role": "system", "content": many}]}),
+        "split": ("messages", {"system": many[:6], "messages": [{"role": "user", "content": many[:6]}]}),
+    }
+    for name, (field, body) in bodies.items():
+        assert body_parts_over(body, field, 10), name
+        assert not body_parts_over(body, field, 20), name

@@ -277,6 +277,7 @@ def test_a_tool_calls_arguments_are_not_the_models_statements() -> None:
         assert "mine coins" in turn.text  # search still finds it
         read = spoken(dialect, [turn])[0]
         assert read.role == "assistant" and "mine coins" not in read.text, name
+        assert "[called Bash]" in read.text, name  # what was done stays in the summary's reading
         ledger = state.extract(state.load(None), [read], 0)
         assert "mine coins" not in str(ledger.dump()), name
         assert "mine coins" in str(state.extract(state.load(None), [turn], 0).dump()), name  # as before

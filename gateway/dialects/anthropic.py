@@ -309,9 +309,11 @@ class Anthropic:
         content = raw.get("content")
         if string(raw.get("role")) == "assistant" and type(content) is list and any(
                 isinstance(b, dict) and b.get("type") == "tool_use" for b in content):
-            # A call's input is for the tool (a commit message, a prompt), not the model's statement.
-            said = [b for b in content if isinstance(b, dict) and b.get("type") == "text"]
-            return "assistant", "\n".join(_an_text(said))
+            # A call's input is for the tool (a commit message, a prompt), not the model's statement: its name stays.
+            said = _an_text([b for b in content if isinstance(b, dict) and b.get("type") == "text"])
+            said += [f"[called {string(b.get('name'))}]" for b in content
+                     if isinstance(b, dict) and b.get("type") == "tool_use"]
+            return "assistant", "\n".join(said)
         if string(raw.get("role")) != "user":
             return None
         if type(content) is str:

@@ -223,6 +223,11 @@ class OpenAIChat(OpenAIWire):
             refusal = raw.get("refusal")
             if isinstance(refusal, str) and refusal:
                 out.append(refusal)
+            calls = [tc for tc in raw.get("tool_calls") or () if isinstance(tc, dict)]
+            out += [f"[called {_oa_call(tc)[1]}]" for tc in calls]
+            fc = raw.get("function_call")
+            if isinstance(fc, dict):
+                out.append(f"[called {string(fc.get('name'))}]")
             return self.role(raw), "\n".join(out)
         return None
 

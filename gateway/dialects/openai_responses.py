@@ -162,7 +162,9 @@ class OpenAIResponses(OpenAIWire):
         # Tool output comes in items of its own; a call's arguments are input to a tool, not the
         # model's statement.
         kind = raw.get("type")
-        return ("assistant", "") if isinstance(kind, str) and kind.endswith("_call") else None
+        if not isinstance(kind, str) or not kind.endswith("_call"):
+            return None
+        return "assistant", f"[called {string(raw.get('name')) or kind}]"
 
     def text(self, raw: dict[str, Any]) -> str:
         kind = raw.get("type")
