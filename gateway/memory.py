@@ -489,16 +489,22 @@ class Memory:
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
                                f"the {inputs.context_budget} this model's context window allows after max output "
                                "tokens")
+        rendered: bytes | None = None
+        if not (plan.kind == "full" and inputs.whole):
+            try:
+                rendered = orjson.dumps(dialect.render(call.body, plan, cache_control=mem.cache_control))
+            except (TypeError, RecursionError):
+                # Only the history is checked for depth at the edge: a member nested past what orjson
+                # writes (255 levels, e.g. in `tools`) cannot be sent back rewritten.
+                raise GatewayError(400, None, "invalid request: a member of the body is nested more than "
+                                   f"{validate.MAX_DEPTH} levels deep") from None
         if plan.kind == "rewritten" and inputs.whole and mem.policy == "cost":
             h = inputs.history
             self.caches.hold(req.ref, Held(req.ref.project, h.summary, inputs.state_block, inputs.state_tokens,
                                            h.tail_start, tuple(h.tail)), edits)
         original = self._costs(req, inputs, plan, outcome.forwarded, window)
         self.caches.remember_forwarded(req.ref, outcome.forwarded, original)
-        if plan.kind == "full" and inputs.whole:
-            return plan, None
-        rendered_body = dialect.render(call.body, plan, cache_control=mem.cache_control)
-        return plan, orjson.dumps(rendered_body)
+        return plan, rendered
 
     def _kept_layers(self, req: _Request, history: list[dict[str, Any]],
                      inputs: rewrite.Inputs) -> rewrite.Inputs | None:

@@ -87,3 +87,27 @@ async def test_nesting_past_the_interpreter_limit_is_a_400_or_relayed_never_a_50
             {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
         async with g.http.post(f"{g.url}/v1/chat/completions", json=chat, headers=headers) as r:
             assert r.status == 200, await r.text()
+
+
+async def test_a_member_nested_past_what_can_be_written_back_is_a_400_when_rewritten(redis_url: str) -> None:
+    """Only the history is checked for depth at the edge. A `tools` array nested 300 levels passes
+    while the conversation goes whole; once the turn is rewritten (the body is written back), it is a
+    400 in the caller's dialect, not a 500."""
+    headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "deep-tools"}
+    async with memory_gateway(redis_url, memory={"message_threshold": 4, "keep_recent": 2, "fold_batch": 2}) as g:
+        body = _chat(11)
+        for m in body["messages"][1:]:
+            m["content"] += " filler words to fold" * 40
+        for turn in (9, 11):  # stored and folded, then the next turn is rewritten
+            part = {**body, "messages": body["messages"][:turn + 1]}
+            async with g.http.post(f"{g.url}/v1/chat/completions", json=part, headers=headers) as r:
+                assert r.status == 200
+            await g.settle()
+        raw = json.dumps(body).replace('"messages"', '"tools": ' + "[" * 300 + "]" * 300 + ', "messages"', 1)
+        async with g.http.post(f"{g.url}/v1/chat/completions", data=raw,
+                               headers={**headers, "Content-Type": "application/json"}) as r:
+            assert r.status == 400, await r.text()
+            error = (await r.json())["error"]
+            assert error["type"] == "invalid_request_error" and "nested" in error["message"]
+        async with g.http.post(f"{g.url}/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200 and r.headers["x-gateway-context"] == "rewritten"
