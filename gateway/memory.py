@@ -157,10 +157,19 @@ def _digest(text: str) -> str:
     return blake2b(text.encode(), digest_size=12).hexdigest()
 
 
-def _check(dialect: Dialect, body: dict[str, Any], history: list[dict[str, Any]], same: int) -> None:
+class _TooManyParts(Exception):
+    """More parts than memory.max_parts: relayed, not read (validate.parts_over)."""
+
+
+def _check(dialect: Dialect, body: dict[str, Any], history: list[dict[str, Any]], max_parts: int, same: int) -> None:
     """The caller's 400 for a history of the wrong JSON types (`validate.py`), read before anything
-    else reads it; its first `same` messages were checked in an earlier request."""
+    else reads it; its first `same` messages were checked in an earlier request. Before that, its
+    parts are counted (`_TooManyParts`), those of the `same` messages aside: counted then, and not
+    read again by the hashing, the check or the resend parser."""
     lead = len(body.get(dialect.history_field) or ()) - len(history)  # OpenAI chat's leading system messages
+    leading = (body.get(dialect.history_field) or [])[:lead]
+    if validate.body_parts_over(body, dialect.history_field, max_parts, [*leading, *history[same:]]):
+        raise _TooManyParts
     why = validate.problem(dialect.name, body, range(lead, lead + same))
     if why is not None:
         raise GatewayError(400, None, f"invalid request: {why}")
@@ -340,15 +349,17 @@ class Memory:
                         limit=mem.max_messages)
             return Prepared(body=None, headers={"x-gateway-context": "passthrough",
                                                 "x-gateway-reason": rewrite.TOO_MANY_MESSAGES})
-        if validate.body_parts_over(call.body, dialect.history_field, mem.max_parts):
-            log.warning("memory.too_many_parts", conversation=ref.conversation, limit=mem.max_parts)
-            return Prepared(body=None, headers={"x-gateway-context": "passthrough",
-                                                "x-gateway-reason": rewrite.TOO_MANY_PARTS})
 
         started = time.perf_counter()
         arrived = time.monotonic()
         when = _client_time(call.headers)
-        hashes, chains = self.caches.hashes(ref, dialect, history, partial(_check, dialect, call.body, history))
+        try:
+            hashes, chains = self.caches.hashes(ref, dialect, history,
+                                                partial(_check, dialect, call.body, history, mem.max_parts))
+        except _TooManyParts:
+            log.warning("memory.too_many_parts", conversation=ref.conversation, limit=mem.max_parts)
+            return Prepared(body=None, headers={"x-gateway-context": "passthrough",
+                                                "x-gateway-reason": rewrite.TOO_MANY_PARTS})
         replies = _carries_a_reply(dialect, history)
         view, decision = self._from_known(ref, dialect, hashes, chains, replies=replies)
         known = view is not None

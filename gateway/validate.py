@@ -61,9 +61,10 @@ def parts_over(items: Any, limit: int, levels: int = 3) -> bool:
     return _left(items, limit, levels) < 0
 
 
-def body_parts_over(body: dict[str, Any], history_field: str, limit: int) -> bool:
-    """`parts_over` for a whole request: its history's parts, and the entries of its other arrays
-    (system blocks, instructions, tools) with their own parts, against one limit."""
+def body_parts_over(body: dict[str, Any], history_field: str, limit: int, history: Any = None) -> bool:
+    """`parts_over` for a whole request: its history's parts (or those of `history`, the messages not
+    counted before), and the entries of its other arrays (system blocks, instructions, tools) with
+    their own parts, against one limit."""
     left = limit
     others: list[Any] = []
     for name, value in body.items():
@@ -73,7 +74,7 @@ def body_parts_over(body: dict[str, Any], history_field: str, limit: int) -> boo
                 return True
             others.extend(value)
     left = _left(others, left, 2)
-    return left < 0 or _left(body.get(history_field), left, 3) < 0
+    return left < 0 or _left(body.get(history_field) if history is None else history, left, 3) < 0
 
 
 def _left(items: Any, left: int, levels: int) -> int:

@@ -75,7 +75,20 @@ async def test_a_request_over_max_parts_is_relayed_and_not_stored(redis_url: str
             model="claude-test", max_tokens=5, messages=ok, extra_headers={"X-Conversation-Id": "ok"})
         assert raw.headers["x-gateway-reason"] != "too-many-parts"
         await g.settle()
-        assert (await g.api("GET", "ok"))[0] == 200
+        status, _ = await g.api("GET", "ok")
+        assert status == 200
+        # The parts counted are those of the request's new messages (the resent ones were counted then).
+        grown = [*ok, {"role": "assistant", "content": "done"}, {"role": "user", "content": "and these?"}]
+        raw = await client.messages.with_raw_response.create(
+            model="claude-test", max_tokens=5, messages=grown, extra_headers={"X-Conversation-Id": "ok"})
+        assert raw.headers["x-gateway-reason"] != "too-many-parts"
+        await g.settle()
+        grown += [{"role": "assistant", "content": "done"}, wide[0]]
+        raw = await client.messages.with_raw_response.create(
+            model="claude-test", max_tokens=5, messages=grown, extra_headers={"X-Conversation-Id": "ok"})
+        assert raw.headers["x-gateway-reason"] == "too-many-parts"
+        await g.settle()
+        assert (await g.api("GET", "ok"))[1]["messages"] == len(ok) + 3  # the turn of many parts is not stored
 
 
 async def test_a_turn_over_the_gateways_budget_goes_to_the_provider_as_sent(redis_url: str) -> None:
