@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import repeat
 from typing import Any
 
@@ -161,6 +161,22 @@ def _oa_text(content: Any) -> list[str]:
     return flat_text(content, _oa_part)
 
 
+def _with_calls(raw: dict[str, Any], call: Callable[[str, str], str]) -> str:
+    """A chat message's text, refusal and tool calls (each as `call(name, normalised arguments)`)."""
+    out = _oa_text(raw.get("content"))
+    refusal = raw.get("refusal")
+    if isinstance(refusal, str) and refusal:
+        out.append(refusal)
+    for tc in raw.get("tool_calls") or ():
+        if isinstance(tc, dict):
+            _, name, args = _oa_call(tc)
+            out.append(call(name, args))
+    fc = raw.get("function_call")
+    if isinstance(fc, dict):
+        out.append(call(string(fc.get("name")), norm_args(fc.get("arguments"))))
+    return "\n".join(out)
+
+
 def _oa_call(tc: dict[str, Any]) -> tuple[str, str, str]:
     """(id, name, normalised arguments) of a function or custom tool call."""
     fn = tc.get("function")
@@ -217,33 +233,13 @@ class OpenAIChat(OpenAIWire):
 
     def spoken(self, raw: dict[str, Any]) -> tuple[str, str] | None:
         # Tool output comes in messages of its own. A call's arguments are the model's input to a
-        # tool (a commit message, a prompt), not a statement of its own: its text alone is.
+        # tool (a commit message, a prompt), not a statement of its own: its text and the call's name are.
         if raw.get("tool_calls") or raw.get("function_call"):
-            out = _oa_text(raw.get("content"))
-            refusal = raw.get("refusal")
-            if isinstance(refusal, str) and refusal:
-                out.append(refusal)
-            calls = [tc for tc in raw.get("tool_calls") or () if isinstance(tc, dict)]
-            out += [f"[called {_oa_call(tc)[1]}]" for tc in calls]
-            fc = raw.get("function_call")
-            if isinstance(fc, dict):
-                out.append(f"[called {string(fc.get('name'))}]")
-            return self.role(raw), "\n".join(out)
+            return self.role(raw), _with_calls(raw, lambda name, args: f"[called {name}]")
         return None
 
     def text(self, raw: dict[str, Any]) -> str:
-        out = _oa_text(raw.get("content"))
-        refusal = raw.get("refusal")
-        if isinstance(refusal, str) and refusal:
-            out.append(refusal)
-        for tc in raw.get("tool_calls") or ():
-            if isinstance(tc, dict):
-                _, name, args = _oa_call(tc)
-                out.append(f"{name}({args})")
-        fc = raw.get("function_call")
-        if isinstance(fc, dict):
-            out.append(f"{string(fc.get('name'))}({norm_args(fc.get('arguments'))})")
-        return "\n".join(out)
+        return _with_calls(raw, lambda name, args: f"{name}({args})")
 
     def canonical(self, raw: dict[str, Any]) -> str:
         plain = plain_canonical(raw)  # the fast path: most messages
