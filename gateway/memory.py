@@ -498,8 +498,8 @@ class Memory:
         if outcome.forwarded is None:
             raise GatewayError(400, "invalid_request_error",
                                f"the newest turn alone needs about {plan.tokens_forwarded} tokens, more than "
-                               f"the {inputs.context_budget} this model's context window allows after max output "
-                               "tokens")
+                               f"the gateway's budget for this model allows ({inputs.context_budget}: "
+                               "memory.budget_ratio of its context window, less the request's max output tokens)")
         rendered: bytes | None = None
         if not (plan.kind == "full" and inputs.whole):
             try:

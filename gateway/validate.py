@@ -2,8 +2,10 @@
 
 The memory path hashes, counts and rewrites every message; it trusts that a field holds the JSON
 type its provider documents. Valid JSON of another type (a content part whose `type` is a list,
-`tool_calls: 5`, `messages: {}`, content nested hundreds of levels deep) is answered here with a
-400 that names the field, the way the provider itself would, and never reaches the store.
+`tool_calls: 5`, `content: 5`, content nested hundreds of levels deep) is answered here with a 400
+that names the field, the way the provider itself would, and never reaches the store.
+(A history that is not an array of objects, `messages: {}` or `["hello"]`, is no history the gateway
+can rewrite: it goes upstream as sent, `not-rewritable`, for the provider to judge.)
 
 Only what the memory path reads is checked, and only its type: values and unknown fields are the
 provider's to judge. `problem(dialect_name, body, skip)` is pure and bounded by the body's size.
