@@ -279,7 +279,7 @@ def spoken(dialect: Dialect, turns: Sequence[Message]) -> list[Message]:
     for i, t in enumerate(out):
         if t.raw:
             role, text = dialect.spoken(t.raw) or (dialect.role(t.raw), t.text)
-            if role != t.role or text is not t.text:
+            if role != t.role or text != t.text:
                 out[i] = replace(t, role=role, text=text)
     return out
 

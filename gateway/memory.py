@@ -166,9 +166,9 @@ def _check(dialect: Dialect, body: dict[str, Any], history: list[dict[str, Any]]
     else reads it; its first `same` messages were checked in an earlier request. Before that, its
     parts are counted (`_TooManyParts`), those of the `same` messages aside: counted then, and not
     read again by the hashing, the check or the resend parser."""
-    lead = len(body.get(dialect.history_field) or ()) - len(history)  # OpenAI chat's leading system messages
-    leading = (body.get(dialect.history_field) or [])[:lead]
-    if validate.body_parts_over(body, dialect.history_field, max_parts, [*leading, *history[same:]]):
+    sent = body.get(dialect.history_field) or []
+    lead = len(sent) - len(history)  # OpenAI chat's leading system messages
+    if validate.body_parts_over(body, dialect.history_field, max_parts, [*sent[:lead], *history[same:]]):
         raise _TooManyParts
     why = validate.problem(dialect.name, body, range(lead, lead + same))
     if why is not None:

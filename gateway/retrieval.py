@@ -607,11 +607,11 @@ class RetrievalIndex:
             return []
 
         scores = self._bm25(weights, n)
+        toks = self._tokens
         if reach_back > 0 and window_start is not None and not spans and scores:
             # On the question's own words: the expansion's come from the window's last texts.
             own = scores if len(asked) == len(weights) else self._bm25(asked, n)
             skip = exclude if callable(exclude) else exclude.__contains__
-            toks = self._tokens
             in_window = max((v for d, v in own.items() if d >= window_start), default=0.0)
             # Only what the budget can quote reaches back: a pasted file past it would recall its weaker rivals.
             earlier = max((v for d, v in own.items() if d < window_start and not skip(d) and toks[d] <= budget_tokens),
@@ -623,7 +623,6 @@ class RetrievalIndex:
             scores = self._spread_to_neighbours(scores, n)
         # The priors are scaled by the best score a message the budget could quote has: a pasted file
         # too long to quote would otherwise set a scale that no quotable message's score shows.
-        toks = self._tokens
         top = max((v for d, v in scores.items() if toks[d] <= budget_tokens), default=0.0)
         if not top and min_relevance > 0 and not dense:
             # No quotable message shares a word with the question: the priors alone would decide what

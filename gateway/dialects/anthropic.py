@@ -331,7 +331,7 @@ class Anthropic:
             role, text = "tool", "\n".join(returned)
         else:
             role, text = "system", ""
-        return None if (role, text) == (self.role(raw), self.text(raw)) else (role, text)
+        return role, text  # (the caller keeps the message as it is when these equal it)
 
     def canonical(self, raw: dict[str, Any]) -> str:
         plain = plain_canonical(raw)

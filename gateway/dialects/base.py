@@ -52,7 +52,8 @@ class Dialect(Protocol):
     # (role, text) as the summary and state read the message, when they differ from role() and text():
     # only its author's words (not a tool's output beside them, nor a client's notes such as Claude
     # Code's <system-reminder>, nor the arguments of a tool call); "tool" with the tool's output when
-    # nothing is the author's; ("system", "") for a note alone. None: role() and text() stand.
+    # nothing is the author's; ("system", "") for a note alone. None (or role() and text() themselves):
+    # they stand.
     def spoken(self, raw: dict[str, Any]) -> tuple[str, str] | None: ...
     def canonical(self, raw: dict[str, Any]) -> str: ...
     def tool_calls(self, raw: dict[str, Any]) -> tuple[str, ...]: ...
