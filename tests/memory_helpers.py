@@ -248,7 +248,7 @@ class Chat:
         return [m for m in msgs if m["role"] != "system"] if self.dialect == "openai" else msgs
 
     def injected(self, request: Received | None = None) -> str:
-        """Everything the gateway put around the history (chat system messages / Anthropic system blocks)."""
+        """What the gateway put in the system voice (chat system messages / Anthropic system blocks)."""
         body = (request or self.g.last(self.path)).body
         if self.dialect == "openai":
             return "\n".join(block_text(m["content"]) for m in body["messages"] if m["role"] == "system")
@@ -259,9 +259,18 @@ class Chat:
         return await self.g.messages(self.conv, self.key)
 
 
+EXCERPTS_HEADER = "## Relevant earlier excerpts"
+
+
 def plain(msgs: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Messages reduced to role + text, whatever block shape they use."""
     return [{"role": m["role"], "content": block_text(m["content"])} for m in msgs]
+
+
+def without_excerpts(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
+    """`plain` OpenAI messages less the excerpt messages the gateway adds (user messages of their own;
+    Anthropic's are text blocks inside the newest user message)."""
+    return [m for m in msgs if not m["content"].startswith(EXCERPTS_HEADER)]
 
 
 class Lines:

@@ -208,7 +208,8 @@ def test_canonical_hash_of_500_messages_is_well_under_a_millisecond_each_way() -
 
 def test_openai_render_layers_in_order_and_leaves_the_body_alone() -> None:
     """Chat render: client system, one state+summary message, head, marker, window with the
-    excerpts right before the newest user turn; other fields kept; input not mutated."""
+    excerpts right before the newest user turn, in a user message of their own (they quote anyone,
+    tool output included: never with the system voice); other fields kept; input not mutated."""
     sys_msg = {"role": "system", "content": "S"}
     head = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "a0"}]
     window = [{"role": "user", "content": "q1"},
@@ -224,7 +225,7 @@ def test_openai_render_layers_in_order_and_leaves_the_body_alone() -> None:
     assert body == before and out["temperature"] == 0
     assert out["messages"] == [sys_msg, {"role": "system", "content": "ST\n\nSU"}, *head,
                                {"role": "system", "content": "[2 omitted]"}, *window[:3],
-                               {"role": "system", "content": "EX"}, window[3]]
+                               {"role": "user", "content": "EX"}, window[3]]
 
 
 def test_openai_render_speaks_developer_when_the_client_does() -> None:
@@ -294,7 +295,7 @@ def test_anthropic_render_opens_with_a_user_message_when_the_window_does_not() -
 
 def test_responses_render_injects_developer_items_and_keeps_instructions() -> None:
     """Responses render: one developer item for state+summary, marker before the window, excerpts
-    before the newest user item; `instructions` untouched."""
+    as a user item before the newest user item; `instructions` untouched."""
     window = [{"role": "user", "content": "q1"}, {"type": "reasoning", "id": "rs", "summary": []},
               {"type": "message", "role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]
     body = {"instructions": "S", "input": window, "store": False}
@@ -305,4 +306,5 @@ def test_responses_render_injects_developer_items_and_keeps_instructions() -> No
         return {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": t}]}
 
     assert out["instructions"] == "S" and out["store"] is False
-    assert out["input"] == [dev("ST\n\nSU"), dev("M"), *window[:3], dev("EX"), window[3]]
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "EX"}]}
+    assert out["input"] == [dev("ST\n\nSU"), dev("M"), *window[:3], user, window[3]]

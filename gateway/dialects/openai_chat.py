@@ -299,7 +299,9 @@ class OpenAIChat(OpenAIWire):
             out.append({"role": voice, "content": plan.omitted_marker})
         notes = excerpt_notes(self, plan)
         for i, msg in enumerate(plan.window):
-            out.extend({"role": voice, "content": text} for text in notes.get(i, ()))
+            # Excerpts quote anyone, tool output included: carried as a user message (as Anthropic's
+            # are), never with the system voice's authority.
+            out.extend({"role": "user", "content": text} for text in notes.get(i, ()))
             out.append(msg)
         new = dict(body)
         new["messages"] = out

@@ -113,8 +113,12 @@ def _rs_text(content: Any) -> list[str]:
     return flat_text(content, _rs_part)
 
 
+def _item(role: str, text: str) -> dict[str, Any]:
+    return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+
+
 def _developer_item(text: str) -> dict[str, Any]:
-    return {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": text}]}
+    return _item("developer", text)
 
 
 class OpenAIResponses(OpenAIWire):
@@ -250,7 +254,8 @@ class OpenAIResponses(OpenAIWire):
             out.append(_developer_item(plan.omitted_marker))
         notes = excerpt_notes(self, plan)
         for i, msg in enumerate(plan.window):
-            out.extend(_developer_item(text) for text in notes.get(i, ()))
+            # Excerpts quote anyone, tool output included: a user item, not the developer's voice.
+            out.extend(_item("user", text) for text in notes.get(i, ()))
             out.append(msg)
         new = dict(body)
         new["input"] = out
