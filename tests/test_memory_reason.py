@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import anthropic
+import pytest
+
 from tests.memory_helpers import (
     Gateway,
     gw,  # noqa: F401 (fixture)
@@ -89,6 +92,41 @@ async def test_a_request_over_max_parts_is_relayed_and_not_stored(redis_url: str
         assert raw.headers["x-gateway-reason"] == "too-many-parts"
         await g.settle()
         assert (await g.api("GET", "ok"))[1]["messages"] == len(ok) + 3  # the turn of many parts is not stored
+
+
+async def test_a_delta_clients_turn_memory_cannot_take_is_refused_not_relayed_with_a_hole(redis_url: str) -> None:
+    """A client that sends only new turns has its history in the gateway alone: a turn over max_parts or
+    max_messages relayed as sent would reach the model without that history and be missing from the
+    store. It gets a 400 in its dialect instead, and what is stored stays as it was; whether the client
+    was configured as delta or seen sending new turns only (history: auto)."""
+    for mode in ("delta", "auto"):
+        async with memory_gateway(redis_url, memory={"max_parts": 30, "max_messages": 40},
+                                  conversation={"history": mode}) as g:
+            client = g.anthropic()
+            conv = f"delta-{mode}"
+            history: list[dict[str, Any]] = []
+            for i in range(3):  # each request carries the new turn only
+                turn = [{"role": "user", "content": user_text(i)}]
+                raw = await client.messages.with_raw_response.create(
+                    model="claude-test", max_tokens=5, messages=turn, extra_headers={"X-Conversation-Id": conv})
+                assert raw.status_code == 200
+                await g.settle()
+            stored = (await g.api("GET", conv))[1]["messages"]
+            assert stored == 6
+            wide = [{"role": "user", "content": [{"type": "text", "text": f"p{i}"} for i in range(31)]}]
+            many = [{"role": "user", "content": f"m{i}"} for i in range(41)]
+            for messages, limit in ((wide, "max_parts"), (many, "max_messages")):
+                with pytest.raises(anthropic.BadRequestError) as err:
+                    await client.messages.create(model="claude-test", max_tokens=5, messages=messages,
+                                                 extra_headers={"X-Conversation-Id": conv})
+                assert f"memory.{limit}" in str(err.value) and "only new turns" in str(err.value), mode
+                assert err.value.body["type"] == "error"  # Anthropic's error shape
+            await g.settle()
+            assert (await g.api("GET", conv))[1]["messages"] == stored
+            if mode == "auto":  # a conversation not seen as delta is relayed, as before
+                raw = await client.messages.with_raw_response.create(
+                    model="claude-test", max_tokens=5, messages=wide, extra_headers={"X-Conversation-Id": "fresh"})
+                assert raw.headers["x-gateway-reason"] == "too-many-parts"
 
 
 async def test_a_turn_over_the_gateways_budget_goes_to_the_provider_as_sent(redis_url: str) -> None:
