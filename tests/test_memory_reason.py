@@ -104,7 +104,6 @@ async def test_a_delta_clients_turn_memory_cannot_take_is_refused_not_relayed_wi
                                   conversation={"history": mode}) as g:
             client = g.anthropic()
             conv = f"delta-{mode}"
-            history: list[dict[str, Any]] = []
             for i in range(3):  # each request carries the new turn only
                 turn = [{"role": "user", "content": user_text(i)}]
                 raw = await client.messages.with_raw_response.create(
