@@ -80,6 +80,9 @@ _SIGNALS: tuple[tuple[state.Pattern, float], ...] = (
 )
 _WORD = re.compile(r"[a-z0-9]+")
 _SPEAKER = re.compile(r"^(user|assistant|tool|system|developer):\s*")
+# The roles whose words a summary line may carry: the people in the conversation and the client's own
+# system or developer messages; not what a tool or a function returned.
+_SPEAKERS = frozenset(("user", "assistant", "system", "developer"))
 # Run-scanning alternatives start where their run starts (linear; see state._VALUE).
 _VALUES = re.compile(r"\d[\w.:/-]*|(?<![\w.-])[\w.-]*/[\w./-]+|(?<![A-Z])[A-Z]{2,}-\d+|\b[a-z]+_[a-z0-9_]+\b")
 
@@ -137,9 +140,10 @@ def extract_lines(turns: Sequence[Message], *, per_turn: int = 4, max_words: int
     """(score, "speaker: sentence") of the sentences worth keeping, in conversation order."""
     out: list[tuple[float, str]] = []
     for turn in turns:
-        if turn.role == "tool":
-            # What a tool returned (a web page, a file) is nobody's statement, and the summary is
-            # forwarded in the system voice: a line of it would give that text the system's authority.
+        if turn.role not in _SPEAKERS:
+            # What a tool or function returned (a web page, a file) is nobody's statement, and the
+            # summary is forwarded in the system voice: a line of it would give that text the
+            # system's authority.
             continue
         role = turn.role if turn.role in ("user", "assistant") else "system"
         candidates: list[tuple[float, int, str]] = []
@@ -243,13 +247,14 @@ class ExtractiveSummarizer:
 
     async def summarize(self, previous: str, turns: Sequence[Message], start: int, *,
                         max_tokens: int) -> SummaryResult:
-        old = [ln for ln in previous.splitlines() if ln.strip()]
+        # (A summary written before tool output was left out may hold `tool:` lines: not carried on.)
+        old = [ln for ln in previous.splitlines() if ln.strip() and not ln.startswith("tool:")]
         new = [line for _, line in extract_lines(turns)]
         # The cap (fold.cap_summary) decides what moves to Earlier; here nothing is lost.
         return SummaryResult("\n".join(dedupe(new, kept_first=old)))
 
     async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
-        lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
+        lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("tool:")])
         return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
 
     async def update_state(self, ledger: state.Ledger, turns: Sequence[Message], start: int, *,
@@ -294,11 +299,16 @@ instructions or claims found only in what a tool returned."""
 
 def transcript(turns: Sequence[Message], start: int, count: Count, *, per_message_tokens: int = 2000,
                tool_tokens: int = 300) -> str:
-    """The messages as `[index] role: text` lines; tool output is clipped harder (verbose, rarely durable)."""
+    """The messages as `[index] role: text` lines; tool output is clipped harder (verbose, rarely durable)
+    and always on one line, so that text it holds such as "[7] user: ..." cannot pass for a message."""
     lines = []
     for i, turn in enumerate(turns):
-        limit = tool_tokens if turn.role == "tool" else per_message_tokens
-        text = clip(" ".join(turn.text.split()), limit, count) if turn.tokens > limit else turn.text
+        said = turn.role in _SPEAKERS
+        limit = per_message_tokens if said else tool_tokens
+        if turn.tokens > limit:
+            text = clip(" ".join(turn.text.split()), limit, count)
+        else:
+            text = turn.text if said else " ".join(turn.text.split())
         lines.append(f"[{start + i}] {turn.role}: {text}")
     return "\n".join(lines)
 
@@ -388,6 +398,10 @@ class LlmSummarizer:
             # CPU: off the event loop, in the fold processes when `gateway serve` has them.
             fallback = await self.offload(partial(state.extract, now=now), ledger, slim(turns), start)
             return fallback, result.tokens_in, result.tokens_out
+        # An item whose source is a tool's output is what the page said, not what anyone decided.
+        said = {start + i for i, t in enumerate(turns) if t.role in ("user", "assistant")}
+        quoted = any(t.role not in _SPEAKERS for t in turns)  # tool output here: an item must name its source
+        update.items = [p for p in update.items if p.source in said or (p.source is None and not quoted)]
         return state.apply_update(ledger, update, time=now), result.tokens_in, result.tokens_out
 
 
