@@ -136,6 +136,34 @@ def near_duplicate(new: str, old: str, threshold: float = 0.7) -> bool:
     return va <= vb
 
 
+_CODE_SPAN = re.compile(r"`[^`\n]{0,200}`")
+_PROSE_WORD = re.compile(r"[A-Za-z]{2,}")
+HEADING_WORDS = 4
+
+
+_MARKDOWN_HEADING = re.compile(r"^[ \t]{0,8}#{1,6}[ \t]+(.+)$", re.MULTILINE)
+_BOLD_LABEL = re.compile(r"\s{0,8}(?:\d{1,3}[.)]\s{0,4})?\*\*")
+
+
+def _headings(text: str) -> set[str]:
+    """The markdown heading lines of `text`, as `state.sentences` gives them (marks stripped)."""
+    return {m.group(1).strip(" \t-*#>") for m in _MARKDOWN_HEADING.finditer(text, 0, state.MAX_MESSAGE_CHARS)}
+
+
+def _heading(sentence: str, headings: set[str]) -> bool:
+    """A heading, a list label or a bare file name of an answer's layout ("### Step 3", "4. **Best
+    Practices for High Coverage", "`deployment.yaml`", "Important Notes"): it names a topic, says
+    nothing of it, and scored on the value it holds. A bold label followed by what it says
+    ("1. **Use a queue**: offload the work to RabbitMQ.") is kept."""
+    if sentence in headings:
+        return True
+    label = _BOLD_LABEL.match(sentence)
+    if label is not None:
+        close = sentence.find("**", label.end())
+        sentence = sentence[close + 2:] if close >= 0 else ""
+    return len(_PROSE_WORD.findall(_CODE_SPAN.sub(" ", sentence), 0, 2000)) < HEADING_WORDS
+
+
 def extract_lines(turns: Sequence[Message], *, per_turn: int = 4, max_words: int = 60) -> list[tuple[float, str]]:
     """(score, "speaker: sentence") of the sentences worth keeping, in conversation order."""
     out: list[tuple[float, str]] = []
@@ -147,11 +175,13 @@ def extract_lines(turns: Sequence[Message], *, per_turn: int = 4, max_words: int
             continue
         role = turn.role if turn.role in ("user", "assistant") else "system"
         candidates: list[tuple[float, int, str]] = []
+        headings = _headings(turn.text) if role == "assistant" else set()
         for i, sentence in enumerate(state.sentences(turn.text)):
             sc = score(sentence, role)
-            if sc < 1.0:
+            if sc < 1.0 or (role == "assistant" and _heading(sentence, headings)):
                 continue
-            candidates.append((sc, i, state.clip_words(sentence, max_words)))
+            # Bold marks of an answer's layout ("June 2024**: Finalize ...") are noise on a line.
+            candidates.append((sc, i, state.clip_words(sentence.replace("**", ""), max_words)))
         # A long message must not flood the summary: its best few sentences, in their order.
         best = sorted(sorted(candidates, key=lambda c: -c[0])[:per_turn], key=lambda c: c[1])
         out += [(sc, f"{role}: {sentence}") for sc, _, sentence in best]

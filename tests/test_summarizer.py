@@ -392,3 +392,20 @@ async def test_llm_summarizer_sees_tool_output_as_one_line_and_takes_no_state_fr
     ledger, _, _ = await s.update_state(state.Ledger(), turns, 0)
     assert [i.text for _, i in ledger.all_items()] == ["Port 8443 only"]
     await s.close()
+
+
+def test_an_answers_headings_and_file_names_are_not_summary_lines() -> None:
+    """A heading, a list label or a bare file name of an answer's layout holds a value (a number, a
+    path) and scored as a fact; it says nothing. The answer's statements stay, without bold marks, and
+    so does a short statement of the user's."""
+    answer = ("Here is the plan.\n1. **Unit Testing**\n`deployment.yaml`\nImportant Notes\n"
+              "### Step 3: Configure NGINX 1.24 for the app\n4. **Best Practices for High Test Coverage in 2024**\n"
+              "Tag the new Docker image as `v1.1.0` before the rollout on 2024-04-20.\n"
+              "2. **Use a queue**: offload the 500 exports to RabbitMQ 3.12 workers.\n")
+    lines = [line for _, line in extract_lines([turn("assistant", answer), turn("user", "Port 8443 only.")],
+                                               per_turn=10)]
+    assert any("Tag the new Docker image as `v1.1.0`" in line for line in lines)
+    assert any("Use a queue: offload the 500 exports to RabbitMQ 3.12" in line for line in lines)  # bold dropped
+    assert "user: Port 8443 only." in lines
+    assert not any(x in line for line in lines
+                   for x in ("Unit Testing", "deployment.yaml", "Important Notes", "Step 3", "Best Practices"))
