@@ -210,7 +210,11 @@ def _positive(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "demo" and args.port is not None and not args.serve:
+        # Without --serve the demo's gateway lives only while it runs, on a port of its own.
+        p.error("demo: --port goes with --serve (the tour alone opens no port for you)")
     return int(args.run(args))
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -89,6 +90,7 @@ class FakeUpstream:
     model_openai: str = "gpt-4o-mini"
     model_anthropic: str = "claude-sonnet-4-20250514"
     record: bool = True
+    log: Path | None = None  # every request received, appended as one JSON line (method, path, body)
     host: str = "127.0.0.1"
     port: int = 0
     requests: list[Received] = field(default_factory=list)
@@ -161,6 +163,10 @@ class FakeUpstream:
         if self.record:
             self.requests.append(Received(request.method, request.path, request.query_string,
                                           CIMultiDict(request.headers), body, raw))
+        if self.log is not None:
+            line = {"method": request.method, "path": request.path, "body": body}
+            with self.log.open("ab") as f:
+                f.write(orjson.dumps(line) + b"\n")
         if self.latency:
             await asyncio.sleep(self.latency + random.uniform(-self.latency_jitter, self.latency_jitter))
         return (body if isinstance(body, dict) else {}), len(raw)
@@ -490,12 +496,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=9999)
     p.add_argument("--latency-ms", type=float, default=0.0, help="delay before each answer")
     p.add_argument("--jitter-ms", type=float, default=0.0, help="each delay varies by up to this much either way")
-    p.add_argument("--reply", default="Hello from the fake upstream.")
+    p.add_argument("--reply", default="Hello from the fake upstream.", help="what every answer says")
+    p.add_argument("--log", type=Path, default=None, metavar="FILE",
+                   help="append every request received (what the gateway forwarded) to FILE, one JSON line each: "
+                        "method, path, body")
     args = p.parse_args(argv)
 
     async def run() -> None:
         fake = FakeUpstream(reply=args.reply, latency=args.latency_ms / 1000, latency_jitter=args.jitter_ms / 1000,
-                            record=False,
+                            record=False, log=args.log,
                             host=args.host, port=args.port)
         async with fake:
             print(f"fake upstream on {fake.url}", flush=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from gateway import cli
@@ -154,3 +155,45 @@ async def test_serve_proxies_to_configured_upstream(tmp_path: Path) -> None:
             out = await stop(proc)
     assert '"route":"/v1/chat/completions"' in out and '"status":200' in out
     assert "sk-cli-SECRET" not in out
+
+
+async def test_the_fake_upstream_logs_what_the_gateway_forwarded(tmp_path: Path) -> None:
+    """`python -m gateway.testing --log FILE`, as the README runs it: a user trying the gateway without a
+    provider reads there what it forwarded (here a rewritten request: its summary as a system message)."""
+    fake_port, log = free_port(), tmp_path / "forwarded.jsonl"
+    fake = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.testing", "--port", str(fake_port),
+                                                "--log", str(log), stdout=asyncio.subprocess.PIPE)
+    try:
+        assert fake.stdout is not None
+        await asyncio.wait_for(fake.stdout.readline(), timeout=30)  # "fake upstream on ..."
+        cfg = tmp_path / "g.yaml"
+        cfg.write_text(f"upstreams:\n  openai:\n    base_url: http://127.0.0.1:{fake_port}/v1\n"
+                       "memory:\n  message_threshold: 4\n  keep_recent: 2\n  fold_batch: 2\n")
+        port, proc = await start_gateway("--config", str(cfg))
+        try:
+            c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-try", max_retries=0)
+            history: list[dict[str, str]] = []
+            for i in range(8):
+                history.append({"role": "user", "content": f"We decided to use PostgreSQL {i + 10} for table {i}. "
+                                f"{'It holds the bookings of every climbing gym in the region. ' * 8}"})
+                r = await c.chat.completions.create(model="m", messages=history,  # type: ignore[arg-type]
+                                                    extra_headers={"X-Conversation-Id": "tried"})
+                history.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+                await asyncio.sleep(0.3)  # the fold's turn
+        finally:
+            await stop(proc)
+    finally:
+        fake.terminate()
+        await fake.wait()
+    lines = [orjson.loads(x) for x in log.read_bytes().splitlines()]
+    assert len(lines) == 8 and all(x["method"] == "POST" and x["path"] == "/v1/chat/completions" for x in lines)
+    last = lines[-1]["body"]["messages"]
+    assert last[-1] == history[-2]  # the newest turn, as sent
+    assert any(m["role"] == "system" and "## Summary of the earlier conversation" in m["content"] for m in last)
+
+
+def test_demo_port_without_serve_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gateway demo --port N` alone would tour on a port of its own and ignore N: it says so instead."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", "--port", "8087"])
+    assert exit_.value.code == 2 and "--port goes with --serve" in capsys.readouterr().err
