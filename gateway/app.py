@@ -102,6 +102,8 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise GatewayError(400, None, "the path climbs above the root")
         response = await handler(request)
     except GatewayError as exc:
+        # The log line says why the gateway answered itself (the caller got the same words).
+        rec.extra["error"] = exc.message[:300]
         dialect = dialect_for_path(request.path, request.headers)
         response = web.Response(status=exc.status, body=dialect.error_body(exc.status, exc.type, exc.message),
                                 content_type="application/json", headers=exc.headers)

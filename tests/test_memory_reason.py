@@ -7,8 +7,10 @@ from typing import Any
 import anthropic
 import pytest
 
+from gateway import app as app_module
 from tests.memory_helpers import (
     Gateway,
+    Lines,
     gw,  # noqa: F401 (fixture)
     memory_gateway,
     openai_turn,
@@ -94,11 +96,15 @@ async def test_a_request_over_max_parts_is_relayed_and_not_stored(redis_url: str
         assert (await g.api("GET", "ok"))[1]["messages"] == len(ok) + 3  # the turn of many parts is not stored
 
 
-async def test_a_delta_clients_turn_memory_cannot_take_is_refused_not_relayed_with_a_hole(redis_url: str) -> None:
+async def test_a_delta_clients_turn_memory_cannot_take_is_refused_not_relayed_with_a_hole(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that sends only new turns has its history in the gateway alone: a turn over max_parts or
     max_messages relayed as sent would reach the model without that history and be missing from the
-    store. It gets a 400 in its dialect instead, and what is stored stays as it was; whether the client
-    was configured as delta or seen sending new turns only (history: auto)."""
+    store. It gets a 400 in its dialect instead (its request log line says why), and what is stored
+    stays as it was; whether the client was configured as delta or seen sending new turns only
+    (history: auto)."""
+    lines = Lines()
+    monkeypatch.setattr(app_module, "get_logger", lambda name="gateway": lines)
     for mode in ("delta", "auto"):
         async with memory_gateway(redis_url, memory={"max_parts": 30, "max_messages": 40},
                                   conversation={"history": mode}) as g:
@@ -120,6 +126,8 @@ async def test_a_delta_clients_turn_memory_cannot_take_is_refused_not_relayed_wi
                                                  extra_headers={"X-Conversation-Id": conv})
                 assert f"memory.{limit}" in str(err.value) and "only new turns" in str(err.value), mode
                 assert err.value.body["type"] == "error"  # Anthropic's error shape
+                logged = lines.events("request")[-1]
+                assert logged["status"] == 400 and f"memory.{limit}" in logged["error"], mode
             await g.settle()
             assert (await g.api("GET", conv))[1]["messages"] == stored
             if mode == "auto":  # a conversation not seen as delta is relayed, as before
