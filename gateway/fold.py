@@ -248,6 +248,10 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
     extended locally, whatever the summarizer: off the event loop unless already off it.
     """
     lines, text = timeline.parse(previous)
+    if "tool:" in text:
+        # A summary written before tool output was kept out of it (summarizer.extract_lines) may hold
+        # `tool:` lines, in Recent or Earlier: not carried into this one.
+        text = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("tool:"))
     tokens_in = tokens_out = 0
     # The previous summary rides along in every call: the rest of the budget is for messages.
     budget = max(256, summarizer.budget_tokens - max_tokens)

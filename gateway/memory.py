@@ -347,8 +347,8 @@ class Memory:
         if len(history) > mem.max_messages:
             log.warning("memory.too_many_messages", conversation=ref.conversation, messages=len(history),
                         limit=mem.max_messages)
-            self._refuse_if_delta(ref, f"{len(history)} messages, more than memory.max_messages "
-                                       f"({mem.max_messages})")
+            self._refuse_if_delta(ref, dialect, history, f"{len(history)} messages, more than memory.max_messages "
+                                                         f"({mem.max_messages})")
             return Prepared(body=None, headers={"x-gateway-context": "passthrough",
                                                 "x-gateway-reason": rewrite.TOO_MANY_MESSAGES})
 
@@ -360,7 +360,7 @@ class Memory:
                                                 partial(_check, dialect, call.body, history, mem.max_parts))
         except _TooManyParts:
             log.warning("memory.too_many_parts", conversation=ref.conversation, limit=mem.max_parts)
-            self._refuse_if_delta(ref, f"more content parts than memory.max_parts ({mem.max_parts})")
+            self._refuse_if_delta(ref, dialect, history, f"more content parts than memory.max_parts ({mem.max_parts})")
             return Prepared(body=None, headers={"x-gateway-context": "passthrough",
                                                 "x-gateway-reason": rewrite.TOO_MANY_PARTS})
         replies = _carries_a_reply(dialect, history)
@@ -415,14 +415,19 @@ class Memory:
 
         return Prepared(body=body, headers=headers, on_success=on_success, excerpts=plan.excerpts_block)
 
-    def _refuse_if_delta(self, ref: ConvRef, what: str) -> None:
+    def _refuse_if_delta(self, ref: ConvRef, dialect: Dialect, history: list[dict[str, Any]], what: str) -> None:
         """A request memory cannot take is relayed as it came: right for a client that sends its whole
         history, but a client that sends only its new turns would reach the model without its history
-        and leave a hole in the only copy of it. Such a client (configured, or seen by this process)
-        gets a 400 in its dialect."""
+        and leave a hole in the only copy of it. Such a request gets a 400 in its dialect: in mode
+        `delta`, or in `auto` where reconcile would take it for new turns (this process saw the
+        conversation's client send them, in this dialect, and the request carries no reply)."""
         mode = self.settings.conversation.history
-        view = self.caches.views.get(ref) if mode == "auto" else None
-        if mode == "delta" or (view is not None and view.client == "delta"):
+        delta = mode == "delta"
+        if mode == "auto":
+            view = self.caches.views.get(ref)
+            delta = (view is not None and view.client == "delta" and view.dialect in (None, dialect.name)
+                     and not _carries_a_reply(dialect, history))
+        if delta:
             raise GatewayError(400, "invalid_request_error",
                                f"this request holds {what}: the gateway cannot store it, and this conversation's "
                                "client sends only new turns, so the model would not see its history. Split it, "

@@ -141,22 +141,34 @@ _PROSE_WORD = re.compile(r"[A-Za-z]{2,}")
 HEADING_WORDS = 4
 
 
-_MARKDOWN_HEADING = re.compile(r"^[ \t]{0,8}#{1,6}[ \t]+(.+)$", re.MULTILINE)
+# A line of an answer's layout: a markdown heading, or a bold label alone on its line ("- **Best
+# Practices**", "2. **Setup**:"). Bounded: each alternative reads one line.
+_LAYOUT_LINE = re.compile(r"^[ \t]{0,8}(?:#{1,6}[ \t]+(?P<heading>[^\n]+)"
+                          r"|(?:[-*+][ \t]{1,4})?(?:\d{1,3}[.)][ \t]{0,4})?\*\*(?P<label>[^*\n]{1,200})\*\*:?[ \t]*)$",
+                          re.MULTILINE)
 _BOLD_LABEL = re.compile(r"\s{0,8}(?:\d{1,3}[.)]\s{0,4})?\*\*")
+_ENDS_SENTENCE = (".", "!", "?", ".)", '."')
 
 
 def _headings(text: str) -> set[str]:
-    """The markdown heading lines of `text`, as `state.sentences` gives them (marks stripped)."""
-    return {m.group(1).strip(" \t-*#>") for m in _MARKDOWN_HEADING.finditer(text, 0, state.MAX_MESSAGE_CHARS)}
+    """The sentences of `text`'s layout lines, as `state.sentences` gives them (marks stripped, a
+    "## Step 2. Configure NGINX" split in two)."""
+    out: set[str] = set()
+    for m in _LAYOUT_LINE.finditer(text, 0, state.MAX_MESSAGE_CHARS):
+        out.update(state.sentences(m.group(0)))
+    return out
 
 
 def _heading(sentence: str, headings: set[str]) -> bool:
     """A heading, a list label or a bare file name of an answer's layout ("### Step 3", "4. **Best
     Practices for High Coverage", "`deployment.yaml`", "Important Notes"): it names a topic, says
     nothing of it, and scored on the value it holds. A bold label followed by what it says
-    ("1. **Use a queue**: offload the work to RabbitMQ.") is kept."""
+    ("1. **Use a queue**: offload the work to RabbitMQ.") is kept, and so is a short sentence
+    ("Use Redis 7.2.")."""
     if sentence in headings:
         return True
+    if sentence.rstrip().endswith(_ENDS_SENTENCE):
+        return False
     label = _BOLD_LABEL.match(sentence)
     if label is not None:
         close = sentence.find("**", label.end())
@@ -277,14 +289,13 @@ class ExtractiveSummarizer:
 
     async def summarize(self, previous: str, turns: Sequence[Message], start: int, *,
                         max_tokens: int) -> SummaryResult:
-        # (A summary written before tool output was left out may hold `tool:` lines: not carried on.)
-        old = [ln for ln in previous.splitlines() if ln.strip() and not ln.startswith("tool:")]
+        old = [ln for ln in previous.splitlines() if ln.strip()]
         new = [line for _, line in extract_lines(turns)]
         # The cap (fold.cap_summary) decides what moves to Earlier; here nothing is lost.
         return SummaryResult("\n".join(dedupe(new, kept_first=old)))
 
     async def compress(self, text: str, *, max_tokens: int) -> SummaryResult:
-        lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("tool:")])
+        lines = dedupe([ln.strip() for ln in text.splitlines() if ln.strip()])
         return SummaryResult("\n".join(select_lines(lines, max_tokens, self.count)))
 
     async def update_state(self, ledger: state.Ledger, turns: Sequence[Message], start: int, *,
@@ -428,10 +439,15 @@ class LlmSummarizer:
             # CPU: off the event loop, in the fold processes when `gateway serve` has them.
             fallback = await self.offload(partial(state.extract, now=now), ledger, slim(turns), start)
             return fallback, result.tokens_in, result.tokens_out
-        # An item whose source is a tool's output is what the page said, not what anyone decided.
+        # State is what the people said (as state.extract reads it): an item sourced from a tool's output
+        # is what the page said, not what anyone decided; one naming no message of this batch, unplaced.
         said = {start + i for i, t in enumerate(turns) if t.role in ("user", "assistant")}
         quoted = any(t.role not in _SPEAKERS for t in turns)  # tool output here: an item must name its source
-        update.items = [p for p in update.items if p.source in said or (p.source is None and not quoted)]
+        kept = [p for p in update.items if p.source in said or (p.source is None and not quoted)]
+        if len(kept) < len(update.items):
+            log.info("summarizer.state_items_dropped", dropped=len(update.items) - len(kept),
+                     reason="sourced from no user or assistant message of the batch")
+        update.items = kept
         return state.apply_update(ledger, update, time=now), result.tokens_in, result.tokens_out
 
 

@@ -157,6 +157,17 @@ async def test_serve_proxies_to_configured_upstream(tmp_path: Path) -> None:
     assert "sk-cli-SECRET" not in out
 
 
+async def _folded(port: int, conv: str) -> None:
+    """Wait (up to 20 s) until no fold of `conv` is queued or running, as the conversation API says."""
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-try"}) as s:
+        for _ in range(400):
+            async with s.get(f"http://127.0.0.1:{port}/gateway/conversations/{conv}") as r:
+                if r.status == 200 and not (await r.json())["fold_pending"]:
+                    return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the fold did not finish")
+
+
 async def test_the_fake_upstream_logs_what_the_gateway_forwarded(tmp_path: Path) -> None:
     """`python -m gateway.testing --log FILE`, as the README runs it: a user trying the gateway without a
     provider reads there what it forwarded (here a rewritten request: its summary as a system message)."""
@@ -173,20 +184,21 @@ async def test_the_fake_upstream_logs_what_the_gateway_forwarded(tmp_path: Path)
         try:
             c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-try", max_retries=0)
             history: list[dict[str, str]] = []
-            for i in range(8):
+            for i in range(9):
                 history.append({"role": "user", "content": f"We decided to use PostgreSQL {i + 10} for table {i}. "
                                 f"{'It holds the bookings of every climbing gym in the region. ' * 8}"})
                 r = await c.chat.completions.create(model="m", messages=history,  # type: ignore[arg-type]
                                                     extra_headers={"X-Conversation-Id": "tried"})
                 history.append({"role": "assistant", "content": r.choices[0].message.content or ""})
-                await asyncio.sleep(0.3)  # the fold's turn
+                await asyncio.sleep(0.2)  # its recording, which queues the fold
+                await _folded(port, "tried")
         finally:
             await stop(proc)
     finally:
         fake.terminate()
         await fake.wait()
     lines = [orjson.loads(x) for x in log.read_bytes().splitlines()]
-    assert len(lines) == 8 and all(x["method"] == "POST" and x["path"] == "/v1/chat/completions" for x in lines)
+    assert len(lines) == 9 and all(x["method"] == "POST" and x["path"] == "/v1/chat/completions" for x in lines)
     last = lines[-1]["body"]["messages"]
     assert last[-1] == history[-2]  # the newest turn, as sent
     assert any(m["role"] == "system" and "## Summary of the earlier conversation" in m["content"] for m in last)

@@ -130,10 +130,19 @@ async def test_a_delta_clients_turn_memory_cannot_take_is_refused_not_relayed_wi
                 assert logged["status"] == 400 and f"memory.{limit}" in logged["error"], mode
             await g.settle()
             assert (await g.api("GET", conv))[1]["messages"] == stored
-            if mode == "auto":  # a conversation not seen as delta is relayed, as before
+            if mode == "auto":
+                # Relayed, as before: a conversation not seen as delta; a whole history (it carries a
+                # reply) on one seen as delta; the id reused by another API.
                 raw = await client.messages.with_raw_response.create(
                     model="claude-test", max_tokens=5, messages=wide, extra_headers={"X-Conversation-Id": "fresh"})
                 assert raw.headers["x-gateway-reason"] == "too-many-parts"
+                whole = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(41)]
+                raw = await client.messages.with_raw_response.create(
+                    model="claude-test", max_tokens=5, messages=whole, extra_headers={"X-Conversation-Id": conv})
+                assert raw.headers["x-gateway-reason"] == "too-many-messages"
+                chat = await g.openai().chat.completions.with_raw_response.create(
+                    model="gpt-test", messages=many, extra_headers={"X-Conversation-Id": conv})  # type: ignore[arg-type]
+                assert chat.headers["x-gateway-reason"] == "too-many-messages"
 
 
 async def test_a_turn_over_the_gateways_budget_goes_to_the_provider_as_sent(redis_url: str) -> None:

@@ -369,10 +369,11 @@ async def test_what_a_tool_or_function_returned_is_in_no_extractive_summary_line
              turn("tool", INJECTED), turn("function", INJECTED), turn("assistant", "Done, PostgreSQL 16 it is.")]
     result = await s.summarize("", turns, 0, max_tokens=600)
     assert "PostgreSQL 16" in result.text and "attacker" not in result.text
-    older = f"user: The goal is a booking service.\ntool: {INJECTED}"
-    result = await s.summarize(older, [turn("user", "We decided to use Redis 7 for sessions.")], 4, max_tokens=600)
-    assert "booking service" in result.text and "Redis 7" in result.text and "attacker" not in result.text
-    assert "attacker" not in (await s.compress(older, max_tokens=600)).text
+    for older in (f"user: The goal is a booking service.\ntool: {INJECTED}",
+                  f"Earlier:\nuser: The goal is a booking service.\ntool: {INJECTED}\n\nRecent:\nuser: Hello there."):
+        result = await fold.fold_summary(s, older, [turn("user", "We decided to use Redis 7 for sessions.")], 4,
+                                         max_tokens=600)
+        assert "booking service" in result.text and "Redis 7" in result.text and "attacker" not in result.text
 
 
 async def test_llm_summarizer_sees_tool_output_as_one_line_and_takes_no_state_from_it(
@@ -400,12 +401,15 @@ def test_an_answers_headings_and_file_names_are_not_summary_lines() -> None:
     so does a short statement of the user's."""
     answer = ("Here is the plan.\n1. **Unit Testing**\n`deployment.yaml`\nImportant Notes\n"
               "### Step 3: Configure NGINX 1.24 for the app\n4. **Best Practices for High Test Coverage in 2024**\n"
+              "## Step 2. Configure NGINX 1.24 Reverse Proxy Settings\n- **Monitoring for Kubernetes 1.29 Clusters**\n"
               "Tag the new Docker image as `v1.1.0` before the rollout on 2024-04-20.\n"
-              "2. **Use a queue**: offload the 500 exports to RabbitMQ 3.12 workers.\n")
+              "2. **Use a queue**: offload the 500 exports to RabbitMQ 3.12 workers.\n"
+              "Use Redis 7.2.\nFixed in v2.3.1.\n")
     lines = [line for _, line in extract_lines([turn("assistant", answer), turn("user", "Port 8443 only.")],
-                                               per_turn=10)]
+                                               per_turn=20)]
     assert any("Tag the new Docker image as `v1.1.0`" in line for line in lines)
     assert any("Use a queue: offload the 500 exports to RabbitMQ 3.12" in line for line in lines)  # bold dropped
+    assert "assistant: Use Redis 7.2." in lines and "assistant: Fixed in v2.3.1." in lines  # short, but sentences
     assert "user: Port 8443 only." in lines
-    assert not any(x in line for line in lines
-                   for x in ("Unit Testing", "deployment.yaml", "Important Notes", "Step 3", "Best Practices"))
+    assert not any(x in line for line in lines for x in ("Unit Testing", "deployment.yaml", "Important Notes",
+                                                         "Step 3", "Best Practices", "Reverse Proxy", "Monitoring"))
