@@ -143,10 +143,9 @@ HEADING_WORDS = 4
 
 # A line of an answer's layout: a markdown heading, or a bold label alone on its line ("- **Best
 # Practices**", "2. **Setup**:"). Bounded: each alternative reads one line.
-_LAYOUT_LINE = re.compile(r"^[ \t]{0,8}(?:#{1,6}[ \t]+(?P<heading>[^\n]+)"
-                          r"|(?:[-*+][ \t]{1,4})?(?:\d{1,3}[.)][ \t]{0,4})?\*\*(?P<label>[^*\n]{1,200})\*\*:?[ \t]*)$",
+_LAYOUT_LINE = re.compile(r"^[ \t]{0,8}(?:#{1,6}[ \t]+[^\n]+"
+                          r"|(?:[-*+][ \t]{1,4})?(?:\d{1,3}[.)][ \t]{0,4})?\*\*[^*\n]{1,200}\*\*:?[ \t]*)$",
                           re.MULTILINE)
-_BOLD_LABEL = re.compile(r"\s{0,8}(?:\d{1,3}[.)]\s{0,4})?\*\*")
 _ENDS_SENTENCE = (".", "!", "?", ".)", '."')
 
 
@@ -161,7 +160,7 @@ def _headings(text: str) -> set[str]:
 
 def _heading(sentence: str, headings: set[str]) -> bool:
     """A heading, a list label or a bare file name of an answer's layout ("### Step 3", "4. **Best
-    Practices for High Coverage", "`deployment.yaml`", "Important Notes"): it names a topic, says
+    Practices for High Coverage**", "`deployment.yaml`", "Important Notes"): it names a topic, says
     nothing of it, and scored on the value it holds. A bold label followed by what it says
     ("1. **Use a queue**: offload the work to RabbitMQ.") is kept, and so is a short sentence
     ("Use Redis 7.2.")."""
@@ -169,10 +168,6 @@ def _heading(sentence: str, headings: set[str]) -> bool:
         return True
     if sentence.rstrip().endswith(_ENDS_SENTENCE):
         return False
-    label = _BOLD_LABEL.match(sentence)
-    if label is not None:
-        close = sentence.find("**", label.end())
-        sentence = sentence[close + 2:] if close >= 0 else ""
     return len(_PROSE_WORD.findall(_CODE_SPAN.sub(" ", sentence), 0, 2000)) < HEADING_WORDS
 
 
