@@ -39,6 +39,9 @@ UNDER_THRESHOLD = "under-threshold"  # short enough to go whole
 REWRITTEN = "rewritten"
 OVER_BUDGET = "over-window"  # rewritten, and the window cut to fit the context budget (fold urgent)
 NO_SAVING = "no-saving"  # the rewrite would not be smaller: the full history goes
+# No saving because no fold has summarised anything yet (the first one is queued or running): the
+# turns that aged out cannot be dropped unsummarised, so the full history goes.
+SUMMARY_PENDING = "summary-pending"
 CHEAPER_CACHED = "cheaper-cached"  # the full history costs less with the provider's prompt cache
 NO_CLEAN_CUT = "no-clean-cut"  # the history opens inside a tool group: only the whole body is valid
 TOO_LARGE = "too-large"  # the newest turn alone is over the budget: sent as it came if whole and within the window
@@ -49,7 +52,8 @@ TOO_MANY_MESSAGES = "too-many-messages"  # more messages than memory.max_message
 TOO_MANY_PARTS = "too-many-parts"  # more content parts than memory.max_parts: relayed, not stored
 OTHER_DIALECT = "other-dialect"  # the conversation id is stored in another API's format
 DEGRADED = "degraded"  # the store is unreachable: sent unchanged, not recorded
-REASONS = (UNDER_THRESHOLD, REWRITTEN, OVER_BUDGET, NO_SAVING, CHEAPER_CACHED, NO_CLEAN_CUT, TOO_LARGE)
+REASONS = (UNDER_THRESHOLD, REWRITTEN, OVER_BUDGET, NO_SAVING, SUMMARY_PENDING, CHEAPER_CACHED, NO_CLEAN_CUT,
+           TOO_LARGE)
 # Weight of a searched turn's new excerpt tokens in the conversation's running mean (Draft.finish).
 EXCERPT_RATE_WEIGHT = 0.2
 
@@ -585,7 +589,8 @@ def _layers(inputs: Inputs) -> _Layers:
         if ceiling is not None and forwarded > ceiling and fallback is not None and not forced:
             # A rewrite must save something, or the provider's cache of the full body wins. A summary
             # of a short head can outweigh the messages it covers: then the client's body goes as sent.
-            return replace(fallback, reason=NO_SAVING)
+            # Before the first fold has covered anything, that is why, not the threshold.
+            return replace(fallback, reason=SUMMARY_PENDING if coverage == 0 else NO_SAVING)
         return rewrite(excerpts, forwarded)
 
     def pins(plan: Plan) -> Pins | None:

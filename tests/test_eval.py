@@ -78,7 +78,7 @@ async def test_eval_scores_known_evidence_and_answers() -> None:
     users = sum(1 for m in conversation()["messages"] if m["role"] == "user")
     assert sum(reasons.values()) == users + len(conversation()["probes"])
     assert reasons.get("rewritten", 0) > 0 and set(reasons) <= {"under-threshold", "rewritten", "cheaper-cached",
-                                                                 "no-saving", "over-window"}
+                                                                 "no-saving", "summary-pending", "over-window"}
     assert "gateway decisions (x-gateway-reason): " in format_table(result)
     for name in s:
         assert {"evidence_recall", "answer_recall", "tokens_ratio", "mean_tokens", "cost_ratio_warm",

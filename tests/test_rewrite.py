@@ -395,11 +395,13 @@ def test_a_tail_opening_inside_a_tool_group_is_sent_full() -> None:
 
 
 def test_every_plan_says_why_it_is_what_it_is() -> None:
-    """Each way a request can go carries its reason: under the thresholds, nothing saved, rewritten,
-    cut to the budget, refused as too large, and whole because no clean window start exists."""
+    """Each way a request can go carries its reason: under the thresholds, nothing saved (with a
+    summary; before the first fold, because none exists yet), rewritten, cut to the budget, refused as
+    too large, and whole because no clean window start exists."""
     ts = turns(oa, [*chat(5), {"role": "user", "content": "q"}])
     assert plan_for(ts, message_threshold=30).reason == rewrite.UNDER_THRESHOLD
-    assert plan_for(ts).reason == rewrite.NO_SAVING
+    assert plan_for(ts).reason == rewrite.SUMMARY_PENDING  # over the thresholds, nothing summarised yet
+    assert plan_for(ts, cov=4, summary="word " * 60).reason == rewrite.NO_SAVING  # a summary outweighing its turns
     assert plan_for(ts, cov=6).reason == rewrite.REWRITTEN
     assert plan_for(ts, cov=2, budget=60).reason == rewrite.OVER_BUDGET
     too_large = plan_for(ts, cov=2, budget=10)
