@@ -7,6 +7,7 @@ thinking block sent back without it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from itertools import repeat
 from typing import Any
@@ -177,29 +178,29 @@ def _blocks(content: Any) -> list[Any]:
     return list(content) if isinstance(content, list) else []
 
 
-_REMINDER_OPEN, _REMINDER_CLOSE = "<system-reminder>", "</system-reminder>"
+_REMINDER_OPEN = re.compile(r"<system-reminder>", re.IGNORECASE)
+_REMINDER_CLOSE = re.compile(r"</system-reminder>", re.IGNORECASE)
 
 
 def _without_reminders(text: str) -> str:
     """`text` less its <system-reminder> sections: notes Claude Code adds to user messages and tool
     results (file contents, tool lists, "you MUST refuse ..."), not words of the user's. The same
-    object when it has none. A tag never closed is kept as written: Claude Code closes its notes, so
-    it is someone writing about the tag. Linear: str.find, no backtracking pattern."""
-    at = text.find(_REMINDER_OPEN)
-    if at < 0:
+    object when it has none.
+
+    Everything from the first opening tag to the last closing tag goes: a note quotes files, and a
+    file may hold a closing tag of its own, after which its text would pass for the user's (words of
+    the user's between two notes of one block go too; Claude Code gives its notes blocks of their
+    own). A tag never closed is kept as written: Claude Code closes its notes, so it is someone
+    writing about the tag. Tags in any case. Linear: one search forward, one pass over the closings."""
+    start = _REMINDER_OPEN.search(text)
+    if start is None:
         return text
-    parts, pos = [], 0
-    while at >= 0:
-        end = text.find(_REMINDER_CLOSE, at)
-        if end < 0:
-            break
-        parts.append(text[pos:at])
-        pos = end + len(_REMINDER_CLOSE)
-        at = text.find(_REMINDER_OPEN, pos)
-    if pos == 0:
+    end = -1
+    for m in _REMINDER_CLOSE.finditer(text, start.end()):
+        end = m.end()
+    if end < 0:
         return text
-    parts.append(text[pos:])
-    return "".join(parts).strip()
+    return (text[:start.start()] + text[end:]).strip()
 
 
 def _is_result(block: Any) -> bool:
