@@ -204,6 +204,7 @@ def _usage_stats(usage: Usage) -> dict[str, int]:
 
 
 TIME_HEADER = "X-Message-Time"
+MIN_YEAR, MAX_YEAR = 1000, 9000
 
 
 def _forget_from(data: dict[str, Any], conversation: str, at: int) -> state.Ledger | None:
@@ -222,6 +223,11 @@ def _client_time(headers: Any) -> str | None:
             when = when.astimezone(UTC).replace(tzinfo=None)  # OverflowError at the calendar's ends
     except (ValueError, OverflowError):
         raise GatewayError(400, None, f"invalid request: {TIME_HEADER} must be an ISO 8601 time") from None
+    if not MIN_YEAR <= when.year <= MAX_YEAR:
+        # Stored, a time at the calendar's ends broke date arithmetic on every later request of the
+        # conversation (the search's "the day after"), and a year under 1000 was written back unreadable.
+        raise GatewayError(400, None, f"invalid request: {TIME_HEADER} must be a time in the years "
+                                      f"{MIN_YEAR}..{MAX_YEAR}")
     return when.strftime("%Y-%m-%dT%H:%M:%S")
 
 

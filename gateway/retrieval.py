@@ -335,7 +335,15 @@ def _past_date(ref: date, month: int, day: int) -> date | None:
 
 
 def _time_spans(text: str, ref: date) -> list[_Span]:
-    """Date spans that the time expressions of `text`, said on `ref`, point to."""
+    """Date spans that the time expressions of `text`, said on `ref`, point to; none at the calendar's
+    ends (a question dated in the year 9999 has no "day after" nor a next month to bound a span)."""
+    try:
+        return _spans(text, ref)
+    except (ValueError, OverflowError):
+        return []
+
+
+def _spans(text: str, ref: date) -> list[_Span]:
     spans: list[_Span] = []
     r = ref.toordinal()
     for m in _TIME_RE.finditer(text.lower()):

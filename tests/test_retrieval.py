@@ -227,6 +227,23 @@ def test_time_expressions_resolve_against_the_day_they_were_said(phrase: str, sp
     assert got == spans
 
 
+def test_a_question_dated_at_the_calendars_ends_searches_without_a_time_prior() -> None:
+    """A time at the calendar's ends (stored by an earlier version, or a date in a message) has no
+    "day after" or next month: the search goes on without a time prior instead of raising."""
+    from datetime import date
+
+    from gateway.retrieval import _time_spans
+
+    for phrase in ("last month", "on dec 31", "yesterday", "last year"):
+        assert isinstance(_time_spans(phrase, date(9999, 12, 31)), list)
+        assert isinstance(_time_spans(phrase, date(1, 1, 1)), list)
+    index = _index([("user", "We met on March 3rd about the redis cluster", "9999-12-31T12:00:00"),
+                    ("assistant", "Noted, the redis cluster meeting.", "9999-12-31T12:00:00")])
+    hits = index.search("what did we say last month about the redis cluster?", budget_tokens=200,
+                        query_time="9999-12-31T12:00:00")
+    assert hits
+
+
 def test_an_index_gives_the_cyclic_gc_next_to_nothing_to_walk() -> None:
     """Indexing hundreds of messages adds a handful of GC-tracked objects, not one per term: a full
     collection walks every tracked object on the event loop, so cached indexes must stay out of it."""
