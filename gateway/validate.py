@@ -49,7 +49,7 @@ ANTHROPIC_BLOCK: dict[str, Types] = {
 
 RESPONSES_ITEM: dict[str, Types] = {
     "type": _S_N, "role": _S_N, "content": _S_L_N, "call_id": _S_N, "name": _S_N, "output": _S_L_N,
-    "id": _S_N, "status": _S_N,
+    "id": _S_N, "status": _S_N, "summary": _L_N,
 }
 RESPONSES_PART: dict[str, Types] = {"type": _S, "text": _S, "refusal": _S, "filename": _S_N}
 
@@ -119,10 +119,10 @@ def _fields(obj: Any, spec: dict[str, Types], where: str) -> dict[str, Any]:
     return obj
 
 
-def _parts(content: Any, spec: dict[str, Types], where: str) -> None:
+def _parts(content: Any, spec: dict[str, Types], where: str, field: str = "content") -> None:
     if isinstance(content, list):
         for i, part in enumerate(content):
-            _fields(part, spec, f"{where}.content[{i}]")
+            _fields(part, spec, f"{where}.{field}[{i}]")
 
 
 def _depth(value: Any, where: str, level: int = 1) -> None:
@@ -204,7 +204,8 @@ def _responses(body: dict[str, Any], skip: range) -> None:
         for _, item, where in _items(items, name, skip if name == "input" else _NONE):
             _fields(item, RESPONSES_ITEM, where)
             _parts(item.get("content"), RESPONSES_PART, where)
-            _parts(item.get("output"), RESPONSES_PART, where)
+            _parts(item.get("output"), RESPONSES_PART, where, "output")
+            _parts(item.get("summary"), RESPONSES_PART, where, "summary")  # a reasoning item's
 
 
 _NONE = range(0)

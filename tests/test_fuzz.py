@@ -158,6 +158,9 @@ FUZZ = settings(max_examples=1200, deadline=None, suppress_health_check=[HealthC
     cred={"Authorization": f"Bearer {KEY}"})
 @example(route="/v1/chat/completions", body={"model": "m", "messages": [{"role": "assistant", "tool_calls": 5}]},
          headers={**JSON, "X-Conversation-Id": "fz-a"}, cred={"Authorization": f"Bearer {KEY}"})
+@example(route="/v1/responses", body={"model": "m", "input": [
+    {"role": "user", "content": "x"}, {"type": "reasoning", "id": "rs", "summary": 5}]},
+    headers={**JSON, "X-Conversation-Id": "fz-a"}, cred={"Authorization": f"Bearer {KEY}"})
 @example(route="/v1/chat/completions", body={"model": "m", "messages": {}},
          headers={**JSON, "X-Conversation-Id": "fz-b"}, cred={"Authorization": f"Bearer {KEY}"})
 @example(route="/v1/messages", body="DEEP", headers={**JSON, "X-Conversation-Id": "fz-b"},

@@ -28,6 +28,22 @@ def test_skipped_positions_are_not_read_and_the_rest_are() -> None:
         "messages[0].content must be a string or an array or null")
 
 
+def test_a_responses_items_output_and_reasoning_summary_are_checked_and_named() -> None:
+    """A reasoning item's summary that is not an array of parts was a 500 (hashing iterated it); it is
+    a 400 naming it, and a bad part of a tool's output is named as the output's, not the content's."""
+    def body(item: dict[str, Any]) -> dict[str, Any]:
+        return {"model": "m", "input": [{"role": "user", "content": "x"}, item]}
+
+    assert validate.problem("openai_responses", body({"type": "reasoning", "id": "rs", "summary": 5})) == (
+        "input[1].summary must be an array or null")
+    assert validate.problem("openai_responses", body({"type": "reasoning", "id": "rs", "summary": [7]})) == (
+        "input[1].summary[0] must be an object")
+    bad_output = {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "a"}, 3]}
+    assert validate.problem("openai_responses", body(bad_output)) == "input[1].output[1] must be an object"
+    fine = {"type": "reasoning", "id": "rs", "summary": [{"type": "summary_text", "text": "thought"}]}
+    assert validate.problem("openai_responses", body(fine)) is None
+
+
 async def test_a_resent_history_is_checked_where_it_is_new(redis_url: str) -> None:
     """After valid turns, a new message of the wrong type, or an earlier one edited into one, is a 400;
     nothing is stored."""
