@@ -23,7 +23,7 @@ from gateway.shutdown import log_draining
 
 
 def redact_url(url: str) -> str:
-    """A store URL fit for logs: any password replaced."""
+    """A URL fit for logs (a store's, an upstream's): any password replaced."""
     try:
         parsed = URL(url)
     except ValueError:
@@ -128,7 +128,8 @@ def serve(args: argparse.Namespace) -> int:
     asyncio.set_event_loop(loop)
     try:
         loop.run_until_complete(_serve(app, server, host, port, lambda: log.info(
-            "listening", host=host, port=port, upstreams={n: u.base_url for n, u in settings.upstreams.items()},
+            "listening", host=host, port=port,
+            upstreams={n: redact_url(u.base_url) for n, u in settings.upstreams.items()},
             client_keys=bool(settings.auth.keys), memory=settings.memory.enabled)))
     except OSError as exc:  # the port is taken, the address is not this host's, …
         log.error("listen_failed", host=host, port=port, error=exc.strerror or str(exc),

@@ -16,6 +16,7 @@ import socket
 from yarl import URL
 
 from gateway.config import Settings
+from gateway.transport import Endpoint, Timeouts, proxy_for
 
 KNOWN_UPSTREAMS = ("openai", "anthropic")  # the dialects route to these names only
 _WILDCARD = frozenset({"0.0.0.0", "::", ""})
@@ -45,6 +46,14 @@ def problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[
         if target is None or not target.api_key:
             out.append(f"memory.summarizer.mode: llm needs upstreams.{summarizer.upstream}.api_key (the summarizer "
                        "never uses a client's key); set it, or use mode: extractive")
+    for name, up in settings.upstreams.items():
+        if name in KNOWN_UPSTREAMS:
+            try:
+                proxy_for(Endpoint.of(up.base_url, Timeouts(1, 1, 1)))
+            except ValueError as exc:
+                # Read at the first call otherwise: every request to this upstream would fail.
+                out.append(f"upstreams.{name}: the proxy environment (HTTPS_PROXY / HTTP_PROXY / ALL_PROXY) "
+                           f"names {exc}")
     if listen is not None:
         for name, up in settings.upstreams.items():
             if points_at(up.base_url, listen):

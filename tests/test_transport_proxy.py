@@ -9,6 +9,7 @@ import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import trustme
@@ -183,3 +184,19 @@ async def test_a_refused_tunnel_is_an_upstream_error(ca: trustme.CA, monkeypatch
                 await client.request(Endpoint.of(url, FAST), "GET", "/", [])
         finally:
             await client.close()
+
+
+def test_a_proxy_the_gateway_cannot_use_is_refused_at_start_and_never_logs_its_password(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    """A SOCKS proxy in the environment made every upstream call a 500, and the error logged the proxy's
+    URL with its password. `check-config` (and so `serve`) refuses it, with the password masked."""
+    from gateway import cli
+
+    monkeypatch.setenv("HTTP_PROXY", "socks5://alice:S3cretProxyPass@127.0.0.1:1080")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("upstreams:\n  openai:\n    base_url: http://127.0.0.1:9/v1\n")
+    assert cli.main(["check-config", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert "upstreams.openai" in err and "socks5://alice:***@127.0.0.1:1080" in err and "S3cret" not in err
