@@ -353,8 +353,8 @@ class Memory:
         if len(history) > mem.max_messages:
             log.warning("memory.too_many_messages", conversation=ref.conversation, messages=len(history),
                         limit=mem.max_messages)
-            self._refuse_if_delta(ref, dialect, history, f"{len(history)} messages, more than memory.max_messages "
-                                                         f"({mem.max_messages})")
+            await self._refuse_if_delta(ref, dialect, history, f"{len(history)} messages, more than "
+                                                               f"memory.max_messages ({mem.max_messages})")
             return Prepared(body=None, headers={"x-gateway-context": "passthrough",
                                                 "x-gateway-reason": rewrite.TOO_MANY_MESSAGES})
 
@@ -366,7 +366,8 @@ class Memory:
                                                 partial(_check, dialect, call.body, history, mem.max_parts))
         except _TooManyParts:
             log.warning("memory.too_many_parts", conversation=ref.conversation, limit=mem.max_parts)
-            self._refuse_if_delta(ref, dialect, history, f"more content parts than memory.max_parts ({mem.max_parts})")
+            await self._refuse_if_delta(ref, dialect, history,
+                                        f"more content parts than memory.max_parts ({mem.max_parts})")
             return Prepared(body=None, headers={"x-gateway-context": "passthrough",
                                                 "x-gateway-reason": rewrite.TOO_MANY_PARTS})
         replies = _carries_a_reply(dialect, history)
@@ -421,18 +422,25 @@ class Memory:
 
         return Prepared(body=body, headers=headers, on_success=on_success, excerpts=plan.excerpts_block)
 
-    def _refuse_if_delta(self, ref: ConvRef, dialect: Dialect, history: list[dict[str, Any]], what: str) -> None:
+    async def _refuse_if_delta(self, ref: ConvRef, dialect: Dialect, history: list[dict[str, Any]],
+                               what: str) -> None:
         """A request memory cannot take is relayed as it came: right for a client that sends its whole
         history, but a client that sends only its new turns would reach the model without its history
         and leave a hole in the only copy of it. Such a request gets a 400 in its dialect: in mode
-        `delta`, or in `auto` where reconcile would take it for new turns (this process saw the
-        conversation's client send them, in this dialect, and the request carries no reply)."""
+        `delta`, or in `auto` where reconcile would take it for new turns (the conversation's client was
+        seen sending them, in this dialect, and the request carries no reply). The view is this
+        process's, or the store's when this process has none (a restart, another replica, an eviction):
+        a rare request, so one load."""
         mode = self.settings.conversation.history
         delta = mode == "delta"
-        if mode == "auto":
+        if mode == "auto" and not _carries_a_reply(dialect, history):
             view = self.caches.views.get(ref)
-            delta = (view is not None and view.client == "delta" and view.dialect in (None, dialect.name)
-                     and not _carries_a_reply(dialect, history))
+            if view is None:
+                try:
+                    view = await self.store.load(ref, head=0)
+                except StoreUnavailable:
+                    view = None  # relayed, as a store outage relays any request
+            delta = view is not None and view.client == "delta" and view.dialect in (None, dialect.name)
         if delta:
             raise GatewayError(400, "invalid_request_error",
                                f"this request holds {what}: the gateway cannot store it, and this conversation's "

@@ -131,6 +131,13 @@ async def test_a_delta_clients_turn_memory_cannot_take_is_refused_not_relayed_wi
             await g.settle()
             assert (await g.api("GET", conv))[1]["messages"] == stored
             if mode == "auto":
+                # This process forgets its view (an edit through the API drops it; so do a restart and an
+                # eviction): the client's style is read from the store, and the turn is refused still.
+                status, _ = await g.api("PUT", f"{conv}/state", json={"goal": "ship it"})
+                assert status == 200
+                with pytest.raises(anthropic.BadRequestError):
+                    await client.messages.create(model="claude-test", max_tokens=5, messages=wide,
+                                                 extra_headers={"X-Conversation-Id": conv})
                 # Relayed, as before: a conversation not seen as delta; a whole history (it carries a
                 # reply) on one seen as delta; the id reused by another API.
                 raw = await client.messages.with_raw_response.create(
