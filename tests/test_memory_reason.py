@@ -185,3 +185,31 @@ def test_parts_are_counted_wherever_a_body_holds_them() -> None:
     for name, (field, body) in bodies.items():
         assert body_parts_over(body, field, 10), name
         assert not body_parts_over(body, field, 20), name
+
+
+async def test_a_responses_string_input_is_one_user_turn_of_the_conversation(redis_url: str) -> None:
+    """A string `input` is one user message, as the API reads it. A client that sends only its new turn
+    that way (here after three as lists) had it relayed alone, without its history, and not stored; it
+    now gets its history and the turn is kept. A first request with a string goes as it came."""
+    async with memory_gateway(redis_url, conversation={"history": "delta"}) as g:
+        client = g.openai()
+        headers = {"X-Conversation-Id": "strings"}
+        for text in ("one", "two", "three"):
+            await client.responses.create(model="gpt-test", input=[{"role": "user", "content": text}],
+                                          extra_headers=headers)
+            await g.settle()
+        raw = await client.responses.with_raw_response.create(model="gpt-test", input="four", extra_headers=headers)
+        assert raw.headers["x-gateway-reason"] != "not-rewritable"
+        sent = g.last("/v1/responses").body["input"]
+        said = [i["content"] for i in sent if i.get("role") == "user"]
+        assert said[0] == "one" and said[-1] == "four" and len(said) == 4
+        await g.settle()
+        stored = await g.messages("strings")
+        assert len(stored) == 8 and stored[6] == {"role": "user", "content": "four"}
+    async with memory_gateway(redis_url) as g:
+        raw = await g.openai().responses.with_raw_response.create(model="gpt-test", input="hello",
+                                                                  extra_headers={"X-Conversation-Id": "first"})
+        assert raw.headers["x-gateway-reason"] == "under-threshold"
+        assert g.last("/v1/responses").body["input"] == "hello"  # as the client sent it
+        await g.settle()
+        assert len(await g.messages("first")) == 2

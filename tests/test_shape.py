@@ -44,11 +44,13 @@ def test_openai_history_leaves_out_the_leading_system_prompt() -> None:
     assert oa.history({"messages": "nope"}) is None
 
 
-def test_responses_history_is_none_for_string_input_and_server_state() -> None:
-    """A Responses request is rewritable only with a stateless `input` list."""
+def test_responses_history_is_the_input_and_none_for_server_state() -> None:
+    """A Responses request is rewritable with a stateless `input`: a list of items, or a string (one
+    user message, as the API reads it)."""
     items = [{"role": "user", "content": "hi"}]
     assert rs.history({"input": items}) == items
-    assert rs.history({"input": "hi"}) is None
+    assert rs.history({"input": "hi"}) == items
+    assert rs.history({"input": 5}) is None
     assert rs.history({"input": items, "previous_response_id": "resp_1"}) is None
     assert rs.history({"input": items, "conversation": "conv_1"}) is None
     assert rs.system_text({"instructions": "be brief"}) == "be brief"

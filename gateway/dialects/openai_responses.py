@@ -140,8 +140,12 @@ class OpenAIResponses(OpenAIWire):
         if body.get("previous_response_id") is not None or body.get("conversation") is not None:
             return None
         items = body.get("input")
+        if isinstance(items, str):
+            # A string is one user message (the API reads it so): a client that sends only its new
+            # turn this way has its history in the gateway alone, and gets it.
+            return [{"role": "user", "content": items}]
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            return None  # a string input is a single short turn: nothing to rewrite
+            return None
         return items
 
     def system_text(self, body: dict[str, Any]) -> str:
