@@ -13,22 +13,13 @@ from types import ModuleType
 from typing import Any
 
 from aiohttp import web
-from yarl import URL
 
 from gateway import demo, listener, logs, preflight, savings, worker
 from gateway import eval as evaluation
 from gateway.app import create_app
 from gateway.config import ConfigError, ServerSettings, Settings, load_settings, resolve_path
+from gateway.preflight import redact_url
 from gateway.shutdown import log_draining
-
-
-def redact_url(url: str) -> str:
-    """A URL fit for logs (a store's, an upstream's): any password replaced."""
-    try:
-        parsed = URL(url)
-    except ValueError:
-        return "<unparseable url>"
-    return str(parsed.with_password("***")) if parsed.password else url
 
 
 def config_problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[str]:
@@ -68,7 +59,7 @@ def check_config(args: argparse.Namespace) -> int:
     print(f"  store:      {redact_url(settings.store.url)}")
     for name, up in settings.upstreams.items():
         key = "own api_key" if up.api_key else "client credential forwarded"
-        print(f"  upstream:   {name} → {up.base_url} ({key})")
+        print(f"  upstream:   {name} → {redact_url(up.base_url)} ({key})")
     auth = f"{len(settings.auth.keys)} gateway client key(s)" if settings.auth.keys else "none (forward mode)"
     print(f"  auth:       {auth}")
     mem = settings.memory

@@ -22,6 +22,18 @@ KNOWN_UPSTREAMS = ("openai", "anthropic")  # the dialects route to these names o
 _WILDCARD = frozenset({"0.0.0.0", "::", ""})
 
 
+def redact_url(url: str) -> str:
+    """A URL fit for logs and problem lines (a store's, an upstream's, a proxy's): its credentials
+    replaced, a password or a token given as the user alone."""
+    try:
+        parsed = URL(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parsed.password:
+        return str(parsed.with_password("***"))
+    return str(parsed.with_user("***")) if parsed.user else url
+
+
 def problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[str]:
     """One `dotted.key: why` line per mistake; `listen`: the (host, port) `serve` binds, if known."""
     out = []
@@ -35,10 +47,10 @@ def problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[
             continue
         path = URL(up.base_url).path.rstrip("/")
         if name == "anthropic" and path.endswith("/v1"):
-            out.append(f"upstreams.anthropic.base_url: {up.base_url} ends in /v1, but the Anthropic SDK's "
+            out.append(f"upstreams.anthropic.base_url: {redact_url(up.base_url)} ends in /v1, but the Anthropic SDK's "
                        "base_url has none (https://api.anthropic.com); drop the /v1")
         if name == "openai" and not path.endswith("/v1"):
-            out.append(f"upstreams.openai.base_url: {up.base_url} does not end in /v1, as the OpenAI SDK's "
+            out.append(f"upstreams.openai.base_url: {redact_url(up.base_url)} does not end in /v1, as the OpenAI SDK's "
                        "base_url does (https://api.openai.com/v1); add the /v1")
     summarizer = settings.memory.summarizer
     if settings.memory.enabled and summarizer.mode == "llm":
@@ -57,7 +69,7 @@ def problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[
     if listen is not None:
         for name, up in settings.upstreams.items():
             if points_at(up.base_url, listen):
-                out.append(f"upstreams.{name}.base_url: {up.base_url} is the gateway's own address "
+                out.append(f"upstreams.{name}.base_url: {redact_url(up.base_url)} is the gateway's own address "
                            f"({listen[0]}:{listen[1]}); requests would loop through it; it must be "
                            "the provider's address")
     return out

@@ -129,9 +129,10 @@ def _stamp(time: str | None) -> tuple[str, float | None]:
         return "", None
     try:
         when = datetime.fromisoformat(time)
-    except ValueError:
+        # (timestamp() reads a naive time in the host's zone: at the calendar's ends, east of UTC, it overflows.)
+        return when.strftime("%Y-%m-%d %H:%M"), when.timestamp()
+    except (ValueError, OverflowError, OSError):
         return "", None
-    return when.strftime("%Y-%m-%d %H:%M"), when.timestamp()
 
 
 def _terms(text: str) -> list[str]:

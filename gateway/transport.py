@@ -112,8 +112,8 @@ class Proxy:
     def of(cls, url: str) -> Proxy:
         u = URL(url if "://" in url else "http://" + url)
         if u.scheme != "http" or not u.raw_host:
-            # Named without its password: this message reaches logs and `check-config`'s output.
-            shown = str(u.with_password("***")) if u.raw_password else str(u)
+            # Named without its credentials: this message reaches logs and `check-config`'s output.
+            shown = str(u.with_user("***").with_password(None)) if u.raw_user is not None else str(u)
             raise ValueError(f"unsupported proxy URL {shown!r}: an http:// proxy is needed")
         auth = None
         if u.raw_user is not None:

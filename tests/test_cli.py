@@ -102,6 +102,19 @@ def test_redact_url() -> None:
     """Store URLs are logged without their password."""
     assert cli.redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
     assert cli.redact_url("memory://") == "memory://"
+    assert cli.redact_url("https://u:pw@host/v1") == "https://u:***@host/v1"
+    assert cli.redact_url("socks5h://tok3n@p:1080") == "socks5h://***@p:1080"  # a token given as the user
+
+
+def test_check_config_never_prints_an_upstream_password(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An upstream base_url with credentials (a proxy-style URL some providers' gateways take) is shown
+    masked by check-config's summary and problem lines (serve prints the same lines)."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("upstreams:\n  openai:\n    base_url: https://u:S3cretPw@llm.example/v1\n"
+                   "  anthropic:\n    base_url: https://u:S3cretPw@llm.example/v1\n")
+    assert cli.main(["check-config", str(cfg)]) == 1  # anthropic's base_url takes no /v1
+    out = capsys.readouterr()
+    assert "S3cretPw" not in out.out + out.err and "https://u:***@llm.example/v1" in out.err
 
 
 async def start_gateway(*args: str, cwd: Path | None = None) -> tuple[int, asyncio.subprocess.Process]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import re
 
+import pytest
+
 from gateway import fold, timeline
 from gateway.model import Message
 from gateway.summarizer import ExtractiveSummarizer
@@ -86,3 +88,20 @@ def test_a_list_of_numbers_is_not_a_topic_but_a_number_is() -> None:
     """"3,31" (a reference, a list) says nothing of what a session was about; "1,000" and "7.2" do."""
     terms = timeline._terms("We moved 1,000 users to Redis 7.2 in batch 3,31 and 4,3 on port 3000.")
     assert terms == ["1,000", "Redis", "7.2", "3000"]
+
+
+def test_a_time_at_the_calendars_end_east_of_utc_does_not_break_a_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stored 9999-12-31T12:00:00 (before X-Message-Time was bounded) read as local time on a host
+    east of UTC overflowed, and every fold of the conversation failed: it is undated instead."""
+    import time
+
+    from gateway import timeline
+
+    monkeypatch.setenv("TZ", "Pacific/Kiritimati")
+    time.tzset()
+    try:
+        assert timeline._stamp("9999-12-31T12:00:00") == ("", None)
+        assert timeline._stamp("2024-03-02T09:30:00")[0] == "2024-03-02 09:30"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
