@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from yarl import URL
 
 from gateway import embed  # light: the model's runtime is imported only when the switch is on
 
@@ -92,6 +93,13 @@ class UpstreamSettings(_Strict):
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("must be an http:// or https:// URL")
+        try:
+            url = URL(v)
+            url.port  # noqa: B018 (an out-of-range port raises only when read)
+        except ValueError as exc:  # a port past 65535, a bad IPv6 literal: said here, not as a traceback later
+            raise ValueError(f"is not a valid URL ({exc})") from None
+        if not url.host:
+            raise ValueError("names no host")
         return v.rstrip("/")
 
 

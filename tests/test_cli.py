@@ -35,6 +35,21 @@ def test_check_config_names_wrong_key(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "memory.message_threshold" in err
 
 
+@pytest.mark.parametrize(("base_url", "why"), [
+    ("https://u:S3cretPw@host:99999/v1", "Port out of range"), ("http://[::1/v1", "Invalid IPv6 URL"),
+    ("http:///v1", "names no host")])
+def test_check_config_names_a_base_url_that_is_no_url(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      base_url: str, why: str) -> None:
+    """A base_url with a port past 65535 or a broken host was a traceback from the config checks (and
+    would have failed every request); it is a line naming the key, without the URL's password."""
+    p = tmp_path / "bad.yaml"
+    p.write_text(f'upstreams:\n  openai:\n    base_url: "{base_url}"\n')
+    assert cli.main(["check-config", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert "upstreams.openai.base_url" in err and why in err
+    assert "Traceback" not in err and "S3cretPw" not in err
+
+
 def test_check_config_ok_prints_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A valid config exits 0 with a short summary that shows no secret."""
     p = tmp_path / "ok.yaml"
