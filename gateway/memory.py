@@ -167,10 +167,9 @@ def _check(dialect: Dialect, body: dict[str, Any], history: list[dict[str, Any]]
     parts are counted (`_TooManyParts`), those of the `same` messages aside: counted then, and not
     read again by the hashing, the check or the resend parser."""
     sent = body.get(dialect.history_field)
-    # OpenAI chat's leading system messages; none where the history is not the list sent (a Responses
-    # string input is one message: split, it would be a list of its characters).
-    lead = len(sent) - len(history) if isinstance(sent, list) else 0
-    sent = sent if isinstance(sent, list) else []
+    if not isinstance(sent, list):
+        sent = history  # a Responses string input: the one message it is, not a list of its characters
+    lead = len(sent) - len(history)  # OpenAI chat's leading system messages
     if validate.body_parts_over(body, dialect.history_field, max_parts, [*sent[:lead], *history[same:]]):
         raise _TooManyParts
     why = validate.problem(dialect.name, body, range(lead, lead + same))
