@@ -148,17 +148,52 @@ def _contained(a: str, b: str) -> float:
     return len(wa & wb) / len(wa) if wa else 0.0
 
 
+# Words that frame a statement without adding to it: "I've been told to always use camelCase for
+# variable names" says no more than "Always use camelCase for variable names when I ask about code
+# style". Negations and modal words are not among them: "never" and "must not" change what is said.
+_FRAME = frozenset((
+    "i", "ive", "ve", "im", "m", "me", "my", "we", "our", "us", "you", "your", "been", "was", "were", "told",
+    "asked", "instructed", "reminded", "to", "for", "the", "a", "an", "of", "in", "on", "at", "by", "with", "as",
+    "that", "this", "it", "is", "are", "be", "and", "so", "also", "please", "remember", "make", "sure",
+))
+
+
+@lru_cache(maxsize=4096)
+def _content(text: str) -> frozenset[str]:
+    return _words(text) - _FRAME
+
+
+_NEGATION = frozenset(("not", "never", "no", "t", "cannot", "without", "nor", "neither", "avoid", "stop"))
+
+
+def _negations(text: str) -> frozenset[str]:
+    return _words(text) & _NEGATION
+
+
 def is_duplicate(new: str, old: str) -> bool:
-    """Same statement: similar words (or all of new's words in old), and no value the old one lacks."""
-    if not _values(new) <= _values(old):
+    """Same statement: similar words (or all of new's words in old, its framing words aside), no value
+    the old one lacks, and not its reversal ("must use" after "must not use")."""
+    if not _values(new) <= _values(old) or _negations(new) != _negations(old):
         return False
-    return _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9)
+    if _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9):
+        return True
+    content = _content(new)
+    return len(content) >= 4 and content <= _content(old)
 
 
 def is_restatement(new: str, old: str) -> bool:
     """`new` says all that `old` said and more (a near-duplicate that extends it): it takes old's place."""
     return (len(_words(old)) >= 4 and len(_words(new) - _words(old)) >= 2 and _values(old) <= _values(new)
             and _contained(old, new) >= 0.9 and _similar(new, old, 0.5))
+
+
+def is_reversal(new: str, old: str) -> bool:
+    """The same statement with its negation turned ("We must not use camelCase" after "We must use
+    camelCase"): the newer one replaces it."""
+    if _negations(new) == _negations(old) or _values(new) != _values(old):
+        return False
+    a, b = _words(new) - _NEGATION, _words(old) - _NEGATION
+    return len(a) >= 3 and len(a & b) / len(a | b) >= 0.75
 
 
 def is_update(new: str, old: str) -> bool:
@@ -196,7 +231,7 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
     targets: list[Item] = []
     if replaces:
         targets += [i for _, i in ledger.all_items() if i.id == replaces and i.superseded_by is None]
-    targets += [old for old in existing if is_update(text, old.text)]
+    targets += [old for old in existing if is_update(text, old.text) or is_reversal(text, old.text)]
     if kind == "goal":
         targets += existing
     merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]
@@ -348,14 +383,17 @@ _GOAL = Pattern(r"\b(?:the|our|my)\s+(?:main\s+|overall\s+|end\s+|primary\s+)?(?
                 caseless=True)
 _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
                     r"|\bwe(?:'ll| will)\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
-                    r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bdecision\s*:|\bi(?:'ve| have)?\s+decided\b",
+                    r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bi(?:'ve| have)?\s+decided\b"
+                    # A label opening the sentence ("Decision: Redis"), not "make an informed decision:".
+                    r"|^[\W_]{0,3}(?:(?:final|our|my|the|team)\s+)?decision\s*:",
                     caseless=True)
 # A rule, not a habit, a feeling or a figure of speech. "always" and "never" count where they order
 # ("Always include ...", "make sure to always ...", "must never ...", "..., never."), not where they
 # describe ("it's always crowded", "I never thought of that", "they don't always win"); a bound
 # ("at least 8 hours") counts beside a need ("the service must handle at least 1,000 users").
 _CONSTRAINT = Pattern(r"\b(?:must(?:\s+not)?|mustn['’]t|cannot|can['’]t|is\s+required|are\s+required"
-                      r"|not\s+allowed|has\s+to|have\s+to)\b"
+                      r"|not\s+allowed|(?:has|have)\s+to(?!\s+(?:the|a|an|my|our|your|his|her|their|its|this|that"
+                      r"|these|those|me|him|them|us)\b))\b"
                       r"|(?:^|[,;:]\s*|\b(?:please|must|should|shall|to|and|but|also|then)\s+)(?:always|never)\b"
                       r"|\bi\s+(?:always|never)\s+(?:want|need|use|prefer|require|deploy|commit|push)\b",
                       caseless=True)
@@ -379,6 +417,10 @@ _PREFERENCE = Pattern(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\
 _REQUEST = re.compile(r"\bi(?:\s+(?:just\s+|really\s+)?want|['’]d\s+(?:really\s+)?like|\s+would\s+like)\s+to\s+"
                       r"(?!keep\b|use\b|avoid\b|stick\b|stay\b|limit\b|prioriti[sz]e\b|minimi[sz]e\b)",
                       re.IGNORECASE)
+# "I like those ideas, thanks!", "I love it": a reply to what was just said, naming no taste of its own.
+_REACTION = re.compile(r"\bi\s+(?:really\s+|also\s+|do\s+)?(?:like|love)\s+(?:it|this|that|these|those|them)"
+                       r"(?:\s+(?:idea|ideas|one|ones|suggestion|suggestions|plan|approach))?"
+                       r"(?=\s*(?:[,.!;]|$)|\s+(?:a\s+lot|too|so\s+much|very\s+much)\b)", re.IGNORECASE)
 _TASK = Pattern(r"\btodo\b|\bwe\s+(?:still\s+)?need\s+to\b|\bnext,?\s+(?:we|i)\s+(?:should|need|will)\b"
                 r"|\bdon't\s+forget\s+to\b|\bremaining\s*:|\bopen\s+task\b", caseless=True)
 _TODO = Pattern(r"\bTODO\b")
@@ -443,6 +485,9 @@ _NOT_COMPONENTS = frozenset((
     "friday", "saturday", "sunday", "january", "february", "march", "april", "may", "june", "july", "august",
     "september", "october", "november", "december", "q1", "q2", "q3", "q4",
 ))
+# A lower-case word in -ing or -ed before a version is prose, not a package: "ranging from 0.1 to
+# 0.9", "the planned v1.1.0 release".
+_VERB_FORM = re.compile(r"[a-z]{2,}(?:ing|[^e]ed)")
 _NAMED = re.compile(r"[a-z][A-Z]|[.+#-]")  # "OAuth", "PyTorch", "Node.js", "Flask-Limiter": a product's spelling
 MAX_STACK = 48  # active components a ledger keeps (the oldest go first), ahead of other extracted items
 MAX_COMPONENTS = 16  # per message: what one message names beyond that is a list, not a stack
@@ -565,7 +610,7 @@ def is_preference(sentence: str, low: str | None = None) -> bool:
     ascii_lower(sentence), when known."""
     if not _PREFERENCE.search(sentence, low):
         return False
-    text = _REQUEST.sub(" ", sentence)
+    text = _REACTION.sub(" ", _REQUEST.sub(" ", sentence))
     return text == sentence or _PREFERENCE.search(text, ascii_lower(text))
 
 
@@ -635,7 +680,8 @@ def components(sentence: str) -> Iterator[tuple[str, str]]:
         found.append((m.start(), name, version))
     for _, name, version in sorted(found):
         if 1 < len(name) <= 40 and len(version) <= 24 and not _IPV4.fullmatch(version) \
-                and not _DATE.fullmatch(version) and name.lower() not in _NOT_COMPONENTS:
+                and not _DATE.fullmatch(version) and name.lower() not in _NOT_COMPONENTS \
+                and not _VERB_FORM.fullmatch(name):
             yield name, version
 
 
@@ -714,7 +760,8 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
         for name, version in named:
             added = _add_component(out, name, version, source=source, time=time) is not None or added
         for sentence, kind in statements:
-            item = add_item(out, kind, _clip(sentence), source=source, time=time)
+            # Bold marks are an answer's layout, not the statement's words.
+            item = add_item(out, kind, _clip(sentence.replace("**", "")), source=source, time=time)
             if item is None:
                 continue
             added = True

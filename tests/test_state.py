@@ -288,6 +288,39 @@ def test_near_duplicates_merge_into_one_item() -> None:
     assert "nightly batch imports" in item.text and not item.was
 
 
+def test_framing_words_do_not_make_a_second_rule() -> None:
+    """"I've been told to always X" restates the rule "Always X when ..." it came with: one item."""
+    ledger = state.extract(state.Ledger(), [turn(
+        "user", "Always use camelCase for variable names when I ask about JavaScript code style.")], 0)
+    ledger = state.extract(ledger, [turn("user", "I've been told to always use camelCase for variable names.")], 4)
+    assert [i.text for i in ledger.active("constraints")] == [
+        "Always use camelCase for variable names when I ask about JavaScript code style."]
+
+
+def test_a_reversed_rule_replaces_the_one_it_reverses() -> None:
+    """"We must not use X" after "We must use X" is the rule now, with the old one as its history;
+    a reversal is never taken for a duplicate of what it reverses."""
+    ledger = state.extract(state.Ledger(), [turn("user", "We must use camelCase for variable names.")], 0)
+    ledger = state.extract(ledger, [turn("user", "We must not use camelCase for variable names.")], 6)
+    (item,) = ledger.active("constraints")
+    assert item.text == "We must not use camelCase for variable names."
+    assert item.was == ["We must use camelCase for variable names."]
+
+
+@pytest.mark.parametrize(("text", "decided"), [
+    ("Here's a summary of their pros and cons to help you make an informed decision:", None),
+    ("Decision: we keep Redis 7 for sessions.", "Decision: we keep Redis 7 for sessions."),
+    ("**Final decision:** PostgreSQL 16 for the orders service.",
+     "Final decision: PostgreSQL 16 for the orders service."),  # an answer's bold marks are layout
+])
+def test_a_decision_label_opens_its_sentence(text: str, decided: str | None) -> None:
+    """"Decision:" labels a decision where it opens the sentence; "make an informed decision:" at the
+    end of an answer's lead-in decides nothing."""
+    for role in ("user", "assistant"):
+        ledger = state.extract(state.Ledger(), [turn(role, text)], 0)
+        assert [i.text for i in ledger.active("decisions")] == ([decided] if decided else [])
+
+
 def test_what_the_user_never_did_is_not_a_rule() -> None:
     """"I've never configured X" is the user's history (a fact), not a constraint they set."""
     ledger = state.extract(state.Ledger(), [turn("user", "I've never configured environment variables in Render.")], 0)
@@ -305,6 +338,7 @@ def test_what_the_user_never_did_is_not_a_rule() -> None:
     "If you're in the mood for something relaxing, you could always take a nap.",
     "I always end up wasting them after a few days.",
     "npm ERR! stack TypeError: Cannot assign to read only property 'cflags' of object",
+    "I'm thinking about donating the leftover cat litter I have to the local animal shelter.",
 ])
 def test_habits_feelings_and_figures_of_speech_are_not_rules(text: str) -> None:
     """"always", "never", "have to" and "can't" describe or exclaim as often as they order: only an
@@ -335,6 +369,9 @@ def test_orders_are_rules(text: str) -> None:
     ("I prefer small pull requests.", "preferences"),
     ("I'd like the answers in bullet points.", "preferences"),
     ("I want to keep every function under 40 lines.", "preferences"),
+    ("I like those ideas, thanks!", None),
+    ("I like that idea.", None),
+    ("I like it a lot, and I prefer dark themes.", "preferences"),
 ])
 def test_a_request_of_the_moment_is_not_a_preference(text: str, kind: str | None) -> None:
     """"I'd like to know more about X" asks for something now; a preference is a taste that lasts."""
@@ -388,6 +425,7 @@ def test_reference_tags_after_a_statement_are_not_state() -> None:
     ("It took 2.5 seconds, about 2.5 s, on Monday 3.30 pm.", []),
     ("The UK has 2.5 million users; RAM 16.0 GB, CPU 3.2 GHz, costs USD 1.50.", []),
     ("Release date 2024.03.02 is set, and we bumped 1.2.3 to its 3.12.0 successor.", []),
+    ("Scores ranging from 0.1 to 0.9 pass, as in the planned v1.1.0 release.", []),
     # Questions, negations, hypotheses and quoted errors: not what the project runs.
     ("Should I upgrade to Node.js v20.1.0?", []),
     ("I can't upgrade to Node.js v20.1.0 yet.", []),
