@@ -37,6 +37,10 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
    project's conversation the start is where the setup, the first plan and the deadlines are said.
 10. Speaker: a question about what one side said ("the order in which I brought up", "what did you
    recommend") doubles the scores of that side's messages.
+11. Order: a question about the order things were raised in ("the order in which I brought up", "in
+   order") adds to each user message sharing its words 0.6 x the best score x the share of the
+   message's words that the two messages before it in its session did not have: where a subject
+   was raised, not where it was worked through.
 
 Cost: `add` is O(message length), up to the 128,000 characters it reads of a longer one. Postings are
 per-term `bytearray`s of native uint32 `position << 8 | tf` (tf capped at 255, read through
@@ -97,6 +101,9 @@ class RankingParams:
     # A question about what one side said ("the order in which I brought up", "what did you
     # recommend") multiplies the scores of that side's messages by 1 + this.
     speaker_weight: float = 1.0
+    # A question about the order things were raised in adds to a user message sharing its words this
+    # share of the best score times the share of the message's words that were new where it was said.
+    survey_weight: float = 0.6
     cost_alpha: float = 1.0
     recent_weight: float = 0.2
     recent_terms: int = 8
@@ -120,7 +127,7 @@ class RankingParams:
         return cls(
             stop_words=False, stem=False, strip_stamp=False, meta_stop=False, neighbour_weight=0.0,
             session_weight=0.0, time_weight=0.0, opening_weight=0.0, cost_alpha=0.0, recent_weight=0.0,
-            speaker_weight=0.0,
+            speaker_weight=0.0, survey_weight=0.0,
         )
 
 
@@ -159,6 +166,10 @@ _STOP = frozenset(
 _OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started|began)\b"
                       r"|\b(?:at|in)\s+the\s+(?:start|beginning)\b|\bto\s+start\s+(?:my|our|the|this)\b",
                       re.IGNORECASE)
+# "the order in which I brought up", "list them in order": a question about the order of what was raised.
+_SURVEY = re.compile(r"\b(?:in\s+(?:the\s+)?(?:order|sequence)(?!\s+(?:to|for|that)\b)|order\s+in\s+which"
+                     r"|chronolog\w*)\b",
+                     re.IGNORECASE)
 _MAX_TERMS = 64  # distinct words a question is searched by, the rarest in the conversation
 # Characters the request path indexes at each end of a longer message: 128,000 in all (about 32K
 # tokens, which only a history of about 400K tokens has the excerpt budget to quote).
@@ -410,8 +421,8 @@ class RetrievalIndex:
     """Incremental lexical index over one conversation's messages, by position."""
 
     __slots__ = (
-        "_cost", "_events", "_index_end", "_last_secs", "_lengths", "_p", "_postings", "_roles", "_secs",
-        "_sess_len", "_sess_start", "_sess_tf", "_session", "_tokens", "_total_len", "side_bytes",
+        "_cost", "_events", "_index_end", "_last_secs", "_lengths", "_novelty", "_p", "_postings", "_prev_terms",
+        "_roles", "_secs", "_sess_len", "_sess_start", "_sess_tf", "_session", "_tokens", "_total_len", "side_bytes",
     )
 
     def __init__(self, params: RankingParams | None = None, *, index_end: int | None = INDEX_END) -> None:
@@ -438,6 +449,10 @@ class RetrievalIndex:
         self._sess_start = array("I")  # first position of each session
         self._sess_len = array("I")  # indexed words per session
         self._events: dict[int, tuple[_Span, ...]] = {}  # position -> dates its text talks about
+        # Per message, 0-255: the share of a user message's words that the two messages before it in
+        # its session did not have (a new subject raised), 0 for other messages.
+        self._novelty = bytearray()
+        self._prev_terms: tuple[frozenset[str], ...] = ()  # words of the last two messages of the session
         self._total_len = 0
 
     def __len__(self) -> int:
@@ -477,7 +492,14 @@ class RetrievalIndex:
         if new_session:
             self._sess_start.append(index)
             self._sess_len.append(0)
+            self._prev_terms = ()
         self._session.append(len(self._sess_start) - 1)
+        words = frozenset(tf)
+        novelty = 0
+        if role == "user" and words:
+            novelty = round(255 * len(words.difference(*self._prev_terms)) / len(words))
+        self._novelty.append(novelty)
+        self._prev_terms = (*self._prev_terms[-1:], words)
 
         postings = self._postings
         for t, f in tf.items():
@@ -510,6 +532,8 @@ class RetrievalIndex:
         if length >= len(self._lengths):
             return
         floor = length << 8
+        # The words of the two messages before the cut, for the next message's novelty (as `add` has them).
+        before: tuple[set[str], set[str]] = (set(), set())
         # Postings are ascending by position, so the forgotten ones are each list's tail.
         postings = self._postings
         for t in list(postings):
@@ -517,11 +541,16 @@ class RetrievalIndex:
             if isinstance(plist, int):
                 if plist >= floor:
                     del postings[t]
+                elif length - (plist >> 8) <= 2:
+                    before[length - (plist >> 8) - 1].add(t)
                 continue
             view = memoryview(plist).cast("I")
             keep = len(view)
             while keep and view[keep - 1] >= floor:
                 keep -= 1
+            for k in range(max(0, keep - 2), keep):
+                if length - (view[k] >> 8) <= 2:
+                    before[length - (view[k] >> 8) - 1].add(t)
             first = view[0] if keep else 0
             view.release()  # a bytearray with a live view cannot shrink
             if keep <= 1:
@@ -540,6 +569,7 @@ class RetrievalIndex:
             del self._events[i]
         del self._cost[length:]
         del self._roles[length:]
+        del self._novelty[length:]
         del self._session[length:]
         nsess = self._session[-1] + 1 if length else 0
         del self._sess_start[nsess:]
@@ -549,6 +579,13 @@ class RetrievalIndex:
             self._sess_len[-1] = sum(self._lengths[start:length])
         self._sess_tf.clear()  # rare (a branch): rebuilt from the postings as terms are queried
         self.side_bytes = 0
+        last, second = frozenset(before[0]), frozenset(before[1])
+        if length == 0:
+            self._prev_terms = ()
+        elif length == 1 or self._session[length - 2] != self._session[length - 1]:
+            self._prev_terms = (last,)
+        else:
+            self._prev_terms = (second, last)
 
     def search(
         self,
@@ -614,7 +651,7 @@ class RetrievalIndex:
         if not weights and not spans and not dense:
             return []
 
-        scores = self._bm25(weights, n)
+        scores = raw = self._bm25(weights, n)
         toks = self._tokens
         if reach_back > 0 and window_start is not None and not spans and scores:
             # On the question's own words: the expansion's come from the window's last texts.
@@ -651,6 +688,15 @@ class RetrievalIndex:
             get = scores.get
             for d in range(self._sess_start[1]):
                 scores[d] = get(d, 0.0) + bonus
+        if p.survey_weight > 0 and raw and _SURVEY.search(phrasing) is not None:
+            # "The order in which I brought up ..." is answered by the messages where the user raised
+            # each subject: user messages on its words, by how new their words were where they were said.
+            bonus = p.survey_weight * top / 255
+            novelty, roles = self._novelty, self._roles
+            get = scores.get
+            for d in raw:
+                if roles[d] == 1 and novelty[d]:
+                    scores[d] = get(d, 0.0) + bonus * novelty[d]
         if p.speaker_weight > 0 and scores:
             asked_user = _USER_SAID.search(phrasing) is not None
             if asked_user != (_ASSISTANT_SAID.search(phrasing) is not None):

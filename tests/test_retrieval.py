@@ -179,6 +179,7 @@ def test_truncate_then_add_equals_a_fresh_index(cut: int) -> None:
         index.add(i, role, text, time, 20)
     fresh = _index(replaced)
     assert index._postings == fresh._postings and index._roles == fresh._roles
+    assert index._novelty == fresh._novelty
     for query in ("my cat Luna", "cat named Miso", "healthy dinners and workouts", "what did I say about workouts?"):
         assert index.search(query, budget_tokens=300) == fresh.search(query, budget_tokens=300)
     assert all(list(index._session_tf(t)) == list(fresh._session_tf(t)) for t in fresh._postings)
@@ -390,6 +391,41 @@ def test_a_question_about_what_one_side_said_favours_that_sides_messages() -> No
     assert (first(index, asked_user), first(index, asked_assistant)) == (30, 51)
     assert first(index, "Can you list the kestrel dashboard queries?") == first(
         off, "Can you list the kestrel dashboard queries?")
+
+
+def test_a_question_about_the_order_things_were_raised_in_favours_where_each_was_raised() -> None:
+    """"The order in which I brought up ..." is answered by the user's messages that raised each
+    subject, not by the follow-ups that repeat its words more often; other questions rank as before."""
+    plant = {
+        40: "Next subject: rate limiting for the billing webhook.",
+        41: "Put a token bucket in front of the billing webhook endpoint.",
+        42: "Billing webhook rate limiting again: billing webhook rate limiting at 50 billing webhook calls per second.",
+    }
+    messages = _conversation(70, plant=plant)
+    index = _index(messages)
+    off = RetrievalIndex(RankingParams(survey_weight=0.0))
+    for i, (role, text, time) in enumerate(messages):
+        off.add(i, role, text, time, 20)
+    ordered = "Can you list in order what I brought up about the billing webhook rate limiting?"
+    (raised,) = index.search(ordered, budget_tokens=20)
+    (repeated,) = off.search(ordered, budget_tokens=20)
+    assert (raised.index, repeated.index) == (40, 42)
+    plain = "What did I bring up about the billing webhook rate limiting?"
+    assert index.search(plain, budget_tokens=20) == off.search(plain, budget_tokens=20)
+
+
+def test_a_branch_judges_its_next_message_new_against_the_messages_before_it() -> None:
+    """After a cut, the next user message's novelty is measured against the two messages before the
+    cut, as in an index that never branched."""
+    said = [("user", "alpha beta gamma delta"), ("assistant", "epsilon zeta"), ("user", "alpha beta epsilon theta")]
+    fresh, branched = RetrievalIndex(), RetrievalIndex()
+    for i, (role, text) in enumerate(said):
+        fresh.add(i, role, text, f"2024-01-01T10:0{i}:00", 5)
+    for i, (role, text) in enumerate([*said[:2], ("user", "something else entirely"), ("assistant", "ok")]):
+        branched.add(i, role, text, f"2024-01-01T10:0{i}:00", 5)
+    branched.truncate(2)
+    branched.add(2, "user", said[2][1], "2024-01-01T10:02:00", 5)
+    assert list(branched._novelty) == list(fresh._novelty) == [255, 0, 64]  # theta alone is new
 
 
 def test_a_question_of_any_size_is_searched_by_a_bounded_set_of_words(monkeypatch: pytest.MonkeyPatch) -> None:
