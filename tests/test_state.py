@@ -372,6 +372,9 @@ def test_orders_are_rules(text: str) -> None:
     ("I like those ideas, thanks!", None),
     ("I like that idea.", None),
     ("I like it a lot, and I prefer dark themes.", "preferences"),
+    ("I've set a preference for CPU-only deployment due to hardware constraints.", "preferences"),
+    ("My preference is tabs over spaces in the Makefile.", "preferences"),
+    ("Some people have a preference for darker roasts.", None),
 ])
 def test_a_request_of_the_moment_is_not_a_preference(text: str, kind: str | None) -> None:
     """"I'd like to know more about X" asks for something now; a preference is a taste that lasts."""
