@@ -31,7 +31,8 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 8. Reach back (`reach_back`, given the window's first position): nothing is recalled when a message of
    the recent window matches the question at least `reach_back` times as well (raw BM25) as the best
    earlier one: the question is about what the window already holds, and new excerpts would only be
-   written to the provider's cache to be read past. Questions that name a time always reach back.
+   written to the provider's cache to be read past. Questions that name a time, or ask what was said
+   (steps 10 and 11's phrasing), always reach back.
 9. Openings: a question about the start ("when I first described my setup", "the initial
    deadline", "originally") gives the messages of the first session 0.3 x the best score: in a
    project's conversation the start is where the setup, the first plan and the deadlines are said.
@@ -653,7 +654,14 @@ class RetrievalIndex:
 
         scores = raw = self._bm25(weights, n)
         toks = self._tokens
-        if reach_back > 0 and window_start is not None and not spans and scores:
+        # What kind of question it is shows in its phrasing, at either end of a long message (a
+        # question after pasted code): the patterns read those ends only, whatever the message's size.
+        phrasing = _ends(query, _PHRASING)
+        # A question about what was said ("when did I bring up", "what did you recommend", "in the order
+        # in which") asks for the past even where the window shares its words, as one naming a time does.
+        asks_back = (_USER_SAID.search(phrasing) is not None or _ASSISTANT_SAID.search(phrasing) is not None
+                     or _SURVEY.search(phrasing) is not None)
+        if reach_back > 0 and window_start is not None and not spans and not asks_back and scores:
             # On the question's own words: the expansion's come from the window's last texts.
             own = scores if len(asked) == len(weights) else self._bm25(asked, n)
             skip = exclude if callable(exclude) else exclude.__contains__
@@ -678,9 +686,6 @@ class RetrievalIndex:
             self._add_session_prior(weights, scores, n, top)
         if spans:
             self._add_time_prior(spans, scores, n, top)
-        # What kind of question it is shows in its phrasing, at either end of a long message (a
-        # question after pasted code): the patterns read those ends only, whatever the message's size.
-        phrasing = _ends(query, _PHRASING)
         # (Not when the first session is most of the conversation: it would say nothing.)
         if (p.opening_weight > 0 and len(self._sess_start) > 1 and 2 * self._sess_start[1] <= n
                 and _OPENING.search(phrasing) is not None):

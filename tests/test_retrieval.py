@@ -282,7 +282,8 @@ def test_dense_candidates_fuse_with_the_lexical_ranking() -> None:
 
 def test_nothing_is_recalled_for_a_question_the_recent_window_answers_better() -> None:
     """Reach back: a question about what the window holds recalls nothing; one whose best match is
-    earlier recalls it; a question that names a time always reaches back; reach_back 0 always recalls."""
+    earlier recalls it; a question that names a time, or asks what was said, always reaches back;
+    reach_back 0 always recalls."""
     msgs = _conversation(60, plant={
         4: "My sister Alice is getting married in Lisbon next spring.",
         12: "Some day we should ship the service in a Docker image.",
@@ -298,6 +299,11 @@ def test_nothing_is_recalled_for_a_question_the_recent_window_answers_better() -
                                               reach_back=reach_back, query_time="2023-03-06T12:00:00")]
 
     assert search("Which base image does the Dockerfile build use?") == []
+    # A question about what was said reaches back on the same words.
+    for asked_back in ("Which base image did I say the Dockerfile build should use?",
+                       "Which base image did you suggest for the Dockerfile build?",
+                       "In order, which base images did the Dockerfile build use?"):
+        assert 12 in search(asked_back)
     assert 4 in search("Where is my sister's wedding going to be?")
     assert 12 in search("Which base image does the Dockerfile build use?", reach_back=0.0)
     # Not on the window's topic alone: a time named sends the question back.
