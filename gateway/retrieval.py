@@ -39,9 +39,9 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
 10. Speaker: a question about what one side said ("the order in which I brought up", "what did you
    recommend") doubles the scores of that side's messages.
 11. Order: a question about the order things were raised in ("the order in which I brought up", "in
-   order") adds to each user message sharing its words 0.6 x the best score x the share of the
-   message's words that the two messages before it in its session did not have: where a subject
-   was raised, not where it was worked through.
+   order") adds to each user message sharing its words its own BM25 score (at most the best) x the
+   share of the message's words that the two messages before it in its session did not have: where
+   a subject was raised, not where it was worked through.
 
 Cost: `add` is O(message length), up to the 128,000 characters it reads of a longer one. Postings are
 per-term `bytearray`s of native uint32 `position << 8 | tf` (tf capped at 255, read through
@@ -103,8 +103,9 @@ class RankingParams:
     # recommend") multiplies the scores of that side's messages by 1 + this.
     speaker_weight: float = 1.0
     # A question about the order things were raised in adds to a user message sharing its words this
-    # share of the best score times the share of the message's words that were new where it was said.
-    survey_weight: float = 0.6
+    # share of its own score (at most the best one) times the share of its words that were new where
+    # it was said.
+    survey_weight: float = 1.0
     cost_alpha: float = 1.0
     recent_weight: float = 0.2
     recent_terms: int = 8
@@ -422,7 +423,7 @@ class RetrievalIndex:
     """Incremental lexical index over one conversation's messages, by position."""
 
     __slots__ = (
-        "_cost", "_events", "_index_end", "_last_secs", "_lengths", "_novelty", "_p", "_postings", "_prev_terms",
+        "_cost", "_events", "_index_end", "_last_secs", "_lengths", "_novelty", "_p", "_postings",
         "_roles", "_secs", "_sess_len", "_sess_start", "_sess_tf", "_session", "_tokens", "_total_len", "side_bytes",
     )
 
@@ -453,7 +454,6 @@ class RetrievalIndex:
         # Per message, 0-255: the share of a user message's words that the two messages before it in
         # its session did not have (a new subject raised), 0 for other messages.
         self._novelty = bytearray()
-        self._prev_terms: tuple[frozenset[str], ...] = ()  # words of the last two messages of the session
         self._total_len = 0
 
     def __len__(self) -> int:
@@ -493,16 +493,21 @@ class RetrievalIndex:
         if new_session:
             self._sess_start.append(index)
             self._sess_len.append(0)
-            self._prev_terms = ()
         self._session.append(len(self._sess_start) - 1)
-        words = frozenset(tf)
-        novelty = 0
-        if role == "user" and words:
-            novelty = round(255 * len(words.difference(*self._prev_terms)) / len(words))
-        self._novelty.append(novelty)
-        self._prev_terms = (*self._prev_terms[-1:], words)
 
         postings = self._postings
+        novelty = 0
+        if role == "user" and tf:
+            # A word was in one of the two messages before this one in its session exactly when its
+            # latest posting (they ascend) is at or after the first of them.
+            floor = max(index - 2, self._sess_start[-1]) << 8
+            seen = 0
+            for t in tf:
+                plist = postings.get(t)
+                if plist is not None and (plist if isinstance(plist, int) else _last(plist)) >= floor:
+                    seen += 1
+            novelty = round(255 * (len(tf) - seen) / len(tf))
+        self._novelty.append(novelty)
         for t, f in tf.items():
             packed = index << 8 | min(f, 255)
             plist = postings.get(t)
@@ -533,8 +538,6 @@ class RetrievalIndex:
         if length >= len(self._lengths):
             return
         floor = length << 8
-        # The words of the two messages before the cut, for the next message's novelty (as `add` has them).
-        before: tuple[set[str], set[str]] = (set(), set())
         # Postings are ascending by position, so the forgotten ones are each list's tail.
         postings = self._postings
         for t in list(postings):
@@ -542,16 +545,11 @@ class RetrievalIndex:
             if isinstance(plist, int):
                 if plist >= floor:
                     del postings[t]
-                elif length - (plist >> 8) <= 2:
-                    before[length - (plist >> 8) - 1].add(t)
                 continue
             view = memoryview(plist).cast("I")
             keep = len(view)
             while keep and view[keep - 1] >= floor:
                 keep -= 1
-            for k in range(max(0, keep - 2), keep):
-                if length - (view[k] >> 8) <= 2:
-                    before[length - (view[k] >> 8) - 1].add(t)
             first = view[0] if keep else 0
             view.release()  # a bytearray with a live view cannot shrink
             if keep <= 1:
@@ -580,13 +578,6 @@ class RetrievalIndex:
             self._sess_len[-1] = sum(self._lengths[start:length])
         self._sess_tf.clear()  # rare (a branch): rebuilt from the postings as terms are queried
         self.side_bytes = 0
-        last, second = frozenset(before[0]), frozenset(before[1])
-        if length == 0:
-            self._prev_terms = ()
-        elif length == 1 or self._session[length - 2] != self._session[length - 1]:
-            self._prev_terms = (last,)
-        else:
-            self._prev_terms = (second, last)
 
     def search(
         self,
@@ -625,6 +616,10 @@ class RetrievalIndex:
         query = _ends(query, _QUERY_END)
         postings = self._postings
         weights: dict[str, float] = dict.fromkeys(_words(query, p, query=True), 1.0)
+        # What kind of question it is shows in its phrasing, at either end of a long message (a
+        # question after pasted code): the patterns read those ends only, whatever the message's size.
+        phrasing = _ends(query, _PHRASING)
+        ordered = p.survey_weight > 0 and _SURVEY.search(phrasing) is not None
         short = 0 < len(weights) <= p.recent_max_query_words
         if len(weights) > _MAX_TERMS:
             # A message of many words (code, a pasted page) ranks by its rarest ones: they carry the
@@ -652,11 +647,9 @@ class RetrievalIndex:
         if not weights and not spans and not dense:
             return []
 
-        scores = raw = self._bm25(weights, n)
+        scores = self._bm25(weights, n)
+        raw = scores if p.neighbour_weight > 0 else dict(scores)  # (the priors add to `scores` in place)
         toks = self._tokens
-        # What kind of question it is shows in its phrasing, at either end of a long message (a
-        # question after pasted code): the patterns read those ends only, whatever the message's size.
-        phrasing = _ends(query, _PHRASING)
         # A question about what was said ("when did I bring up", "what did you recommend", "in the order
         # in which") asks for the past even where the window shares its words, as one naming a time does.
         asks_back = (_USER_SAID.search(phrasing) is not None or _ASSISTANT_SAID.search(phrasing) is not None
@@ -693,15 +686,17 @@ class RetrievalIndex:
             get = scores.get
             for d in range(self._sess_start[1]):
                 scores[d] = get(d, 0.0) + bonus
-        if p.survey_weight > 0 and raw and _SURVEY.search(phrasing) is not None:
+        if ordered and raw:
             # "The order in which I brought up ..." is answered by the messages where the user raised
             # each subject: user messages on its words, by how new their words were where they were said.
-            bonus = p.survey_weight * top / 255
+            # Scaled by the message's own match: a message sharing only "list" or "order" with the
+            # question gets next to nothing.
+            bonus = p.survey_weight / 255
             novelty, roles = self._novelty, self._roles
             get = scores.get
-            for d in raw:
+            for d, v in raw.items():
                 if roles[d] == 1 and novelty[d]:
-                    scores[d] = get(d, 0.0) + bonus * novelty[d]
+                    scores[d] = get(d, 0.0) + bonus * novelty[d] * min(v, top)
         if p.speaker_weight > 0 and scores:
             asked_user = _USER_SAID.search(phrasing) is not None
             if asked_user != (_ASSISTANT_SAID.search(phrasing) is not None):
@@ -896,6 +891,11 @@ class RetrievalIndex:
                 break
         out.sort(key=lambda e: e.index)
         return out
+
+
+def _last(plist: bytearray) -> int:
+    """The latest posting of a term's list."""
+    return int.from_bytes(plist[-4:], sys.byteorder)
 
 
 def _df(plist: int | bytearray) -> int:

@@ -150,11 +150,12 @@ def _contained(a: str, b: str) -> float:
 
 # Words that frame a statement without adding to it: "I've been told to always use camelCase for
 # variable names" says no more than "Always use camelCase for variable names when I ask about code
-# style". Negations and modal words are not among them: "never" and "must not" change what is said.
+# style". Not among them: negations and modal words ("never", "must not" change what is said), nor
+# whose it is ("I must review your pull requests" is not "You must review my pull requests").
 _FRAME = frozenset((
-    "i", "ive", "ve", "im", "m", "me", "my", "we", "our", "us", "you", "your", "been", "was", "were", "told",
-    "asked", "instructed", "reminded", "to", "for", "the", "a", "an", "of", "in", "on", "at", "by", "with", "as",
-    "that", "this", "it", "is", "are", "be", "and", "so", "also", "please", "remember", "make", "sure",
+    "ve", "m", "ll", "re", "d", "s", "been", "was", "were", "told", "asked", "instructed", "reminded", "to", "for",
+    "the", "a", "an", "of", "in", "on", "at", "by", "with", "as", "that", "this", "it", "is", "are", "be", "and",
+    "so", "also", "please", "remember", "make", "sure",
 ))
 
 
@@ -173,7 +174,7 @@ def _negations(text: str) -> frozenset[str]:
 def is_duplicate(new: str, old: str) -> bool:
     """Same statement: similar words (or all of new's words in old, its framing words aside), no value
     the old one lacks, and not its reversal ("must use" after "must not use")."""
-    if not _values(new) <= _values(old) or _negations(new) != _negations(old):
+    if not _values(new) <= _values(old) or bool(_negations(new)) != bool(_negations(old)):
         return False
     if _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9):
         return True
@@ -187,13 +188,22 @@ def is_restatement(new: str, old: str) -> bool:
             and _contained(old, new) >= 0.9 and _similar(new, old, 0.5))
 
 
+# What may differ, besides a negation, between a statement and its reversal: "We must never use X"
+# reverses "We must use X" and "We decided not to use X" reverses "We decided to use X".
+_REVERSAL_SLACK = frozenset((
+    "always", "ever", "any", "anymore", "longer", "more", "do", "does", "did", "can", "must", "should", "will",
+    "shall", "would", "could", "may", "might", "have", "has", "had", "we", "i", "to",
+))
+
+
 def is_reversal(new: str, old: str) -> bool:
     """The same statement with its negation turned ("We must not use camelCase" after "We must use
-    camelCase"): the newer one replaces it."""
-    if _negations(new) == _negations(old) or _values(new) != _values(old):
+    camelCase"): the newer one replaces it. Only when nothing else differs: "We decided not to use
+    Memcached" does not reverse "We decided to use Redis"."""
+    if bool(_negations(new)) == bool(_negations(old)) or _values(new) != _values(old):
         return False
     a, b = _words(new) - _NEGATION, _words(old) - _NEGATION
-    return len(a) >= 3 and len(a & b) / len(a | b) >= 0.75
+    return len(a & b) >= 3 and (a ^ b) <= _REVERSAL_SLACK
 
 
 def is_update(new: str, old: str) -> bool:
@@ -385,7 +395,7 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
                     r"|\bwe(?:'ll| will)\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
                     r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bi(?:'ve| have)?\s+decided\b"
                     # A label opening the sentence ("Decision: Redis"), not "make an informed decision:".
-                    r"|^[\W_]{0,3}(?:(?:final|our|my|the|team)\s+)?decision\s*:",
+                    r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}decision(?:\*\*)?\s*:",
                     caseless=True)
 # A rule, not a habit, a feeling or a figure of speech. "always" and "never" count where they order
 # ("Always include ...", "make sure to always ...", "must never ...", "..., never."), not where they
@@ -486,9 +496,10 @@ _NOT_COMPONENTS = frozenset((
     "friday", "saturday", "sunday", "january", "february", "march", "april", "may", "june", "july", "august",
     "september", "october", "november", "december", "q1", "q2", "q3", "q4",
 ))
-# A lower-case word in -ing or -ed before a version is prose, not a package: "ranging from 0.1 to
-# 0.9", "the planned v1.1.0 release".
-_VERB_FORM = re.compile(r"[a-z]{2,}(?:ing|[^e]ed)")
+# A lower-case word in -ing or -ed (not -eed) is prose, not a package, in "ranging from 0.1 to 0.9"
+# and "the planned v1.1.0 release"; "tracing 0.1.40" and "keyring 24.3.1" are packages.
+_VERB_FORM = re.compile(r"[a-z]{2,40}(?:ing|[^e]ed)")
+_DETERMINER = re.compile(r"\b(?:the|a|an|this|that|our|my|its|their|your)\s+$", re.IGNORECASE)
 _NAMED = re.compile(r"[a-z][A-Z]|[.+#-]")  # "OAuth", "PyTorch", "Node.js", "Flask-Limiter": a product's spelling
 MAX_STACK = 48  # active components a ledger keeps (the oldest go first), ahead of other extracted items
 MAX_COMPONENTS = 16  # per message: what one message names beyond that is a list, not a stack
@@ -497,6 +508,10 @@ _SUPERSEDE = re.compile(r"\binstead\s+of\s+([\w.+#-]+)|\bswitch(?:ed|ing)?\s+fro
                         r"|\b(?:upgrad|migrat|mov)(?:e|ed|es|ing)\s+(?:[\w ]{1,40}?\s)?from\s+([\w.+#-]+)\s+to\b"
                         r"|\bno\s+longer\s+(?:use|using|need)\s+([\w.+#-]+)|\breplac(?:e|ed|ing)\s+([\w.+#-]+)\s+with\b"
                         r"|\bdrop(?:ped|ping)?\s+([\w.+#-]+)\s+in\s+favou?r\s+of\b", _I)
+_BOLD = re.compile(r"\*\*(?=[^\s*])([^*\n]{1,300}?)(?<=[^\s*])\*\*")
+# The closing mark of a bold label whose opening one went with the sentence's leading marks:
+# "Final decision:** PostgreSQL 16".
+_LEAD_BOLD = re.compile(r"^([^*\n]{1,60}?)\*\*(?=[\s:]|$)")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[])|\n+")
 _CODE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
 
@@ -663,12 +678,16 @@ def components(sentence: str) -> Iterator[tuple[str, str]]:
     text = _COMPONENT_VERSION_WORD.sub("v", _unquoted(sentence))
     found: list[tuple[int, str, str]] = []
     for m in _UPGRADE.finditer(text):
-        found += [(m.start(), m["name"], m["old"]), (m.start() + 1, m["name"], m["new"])]
+        if not _VERB_FORM.fullmatch(m["name"]):
+            found += [(m.start(), m["name"], m["old"]), (m.start() + 1, m["name"], m["new"])]
     for m in _COMPONENT.finditer(text):
         if text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
             continue  # "moved to Vue 3.3.4 from Vue 2.7.14": the one left behind
         capitalised = m["name"] is not None
         version = m["version"] or m["lversion"]
+        if not capitalised and _VERB_FORM.fullmatch(m["lname"]) and _DETERMINER.search(text, max(0, m.start() - 8),
+                                                                                      m.start()):
+            continue  # "the planned v1.1.0 release"
         words = (m["name"] or m["lname"]).split()
         while words and words[0].lower() in _NOT_COMPONENTS:
             words.pop(0)
@@ -681,8 +700,7 @@ def components(sentence: str) -> Iterator[tuple[str, str]]:
         found.append((m.start(), name, version))
     for _, name, version in sorted(found):
         if 1 < len(name) <= 40 and len(version) <= 24 and not _IPV4.fullmatch(version) \
-                and not _DATE.fullmatch(version) and name.lower() not in _NOT_COMPONENTS \
-                and not _VERB_FORM.fullmatch(name):
+                and not _DATE.fullmatch(version) and name.lower() not in _NOT_COMPONENTS:
             yield name, version
 
 
@@ -761,8 +779,9 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
         for name, version in named:
             added = _add_component(out, name, version, source=source, time=time) is not None or added
         for sentence, kind in statements:
-            # Bold marks are an answer's layout, not the statement's words.
-            item = add_item(out, kind, _clip(sentence.replace("**", "")), source=source, time=time)
+            # Bold marks are an answer's layout, not the statement's words ("2**16" and "**kwargs" are words).
+            text = _LEAD_BOLD.sub(r"\1", _BOLD.sub(r"\1", sentence)) if "**" in sentence else sentence
+            item = add_item(out, kind, _clip(text), source=source, time=time)
             if item is None:
                 continue
             added = True

@@ -406,6 +406,9 @@ def test_a_question_about_the_order_things_were_raised_in_favours_where_each_was
         40: "Next subject: rate limiting for the billing webhook.",
         41: "Put a token bucket in front of the billing webhook endpoint.",
         42: "Billing webhook rate limiting again: billing webhook rate limiting at 50 billing webhook calls per second.",
+        # New subjects sharing only the question's "list" or "order": nothing to lift.
+        52: "My lunch order is late again today.",
+        54: "Sort the customer list by signup date.",
     }
     messages = _conversation(70, plant=plant)
     index = _index(messages)
@@ -416,6 +419,9 @@ def test_a_question_about_the_order_things_were_raised_in_favours_where_each_was
     (raised,) = index.search(ordered, budget_tokens=20)
     (repeated,) = off.search(ordered, budget_tokens=20)
     assert (raised.index, repeated.index) == (40, 42)
+    # Lifted by their own match: a message sharing only "order" or "list" stays far below.
+    scores = {e.index: e.score for e in index.search(ordered, budget_tokens=1000)}
+    assert max(scores[52], scores[54]) < 0.5 * min(scores[40], scores[42])
     plain = "What did I bring up about the billing webhook rate limiting?"
     assert index.search(plain, budget_tokens=20) == off.search(plain, budget_tokens=20)
 

@@ -307,11 +307,39 @@ def test_a_reversed_rule_replaces_the_one_it_reverses() -> None:
     assert item.was == ["We must use camelCase for variable names."]
 
 
+@pytest.mark.parametrize(("first", "second", "active"), [
+    # A negation about another subject reverses nothing: both stand.
+    ("We decided to use Redis for caching.", "We decided not to use Memcached for caching.", 2),
+    ("We must use Redis for the session cache.", "We must not use Postgres for the session cache.", 2),
+    # The same rule in other words of negation is one rule, replacing nothing.
+    ("We must not use tabs in Python files.", "We must never use tabs in Python files.", 1),
+    # Whose it is makes it another rule.
+    ("You must review my pull requests before merging to main.",
+     "I must review your pull requests before merging to main.", 2),
+])
+def test_only_a_statement_turned_by_its_negation_alone_replaces_it(first: str, second: str, active: int) -> None:
+    ledger = state.extract(state.Ledger(), [turn("user", first)], 0)
+    ledger = state.extract(ledger, [turn("user", second)], 4)
+    items = [i for _, i in ledger.all_items() if i.superseded_by is None]
+    assert len(items) == active and items[0].text == first and not any(i.was for i in items)
+
+
+def test_bold_marks_go_but_stars_that_are_words_stay() -> None:
+    """An answer's bold labels are layout; a glob, **kwargs and a power are the statement's words."""
+    said = ["Never commit files matching **/*.env to the repo.", "Every handler must accept **kwargs in the API.",
+            "The cache key must be 2**16 entries at most.", "**Always** use **strict mode** in every file."]
+    ledger = state.extract(state.Ledger(), [turn("user", "\n".join(said))], 0)
+    assert [i.text for i in ledger.active("constraints")] == [*said[:3], "Always use strict mode in every file."]
+
+
 @pytest.mark.parametrize(("text", "decided"), [
     ("Here's a summary of their pros and cons to help you make an informed decision:", None),
     ("Decision: we keep Redis 7 for sessions.", "Decision: we keep Redis 7 for sessions."),
     ("**Final decision:** PostgreSQL 16 for the orders service.",
      "Final decision: PostgreSQL 16 for the orders service."),  # an answer's bold marks are layout
+    ("1. **Decision:** we keep Redis 7 for sessions.", "1. Decision: we keep Redis 7 for sessions."),
+    ("The final decision: PostgreSQL 16 for the orders service.",
+     "The final decision: PostgreSQL 16 for the orders service."),
 ])
 def test_a_decision_label_opens_its_sentence(text: str, decided: str | None) -> None:
     """"Decision:" labels a decision where it opens the sentence; "make an informed decision:" at the
@@ -429,6 +457,7 @@ def test_reference_tags_after_a_statement_are_not_state() -> None:
     ("The UK has 2.5 million users; RAM 16.0 GB, CPU 3.2 GHz, costs USD 1.50.", []),
     ("Release date 2024.03.02 is set, and we bumped 1.2.3 to its 3.12.0 successor.", []),
     ("Scores ranging from 0.1 to 0.9 pass, as in the planned v1.1.0 release.", []),
+    ("We use tracing 0.1.40 and keyring 24.3.1.", [("tracing", "0.1.40"), ("keyring", "24.3.1")]),
     # Questions, negations, hypotheses and quoted errors: not what the project runs.
     ("Should I upgrade to Node.js v20.1.0?", []),
     ("I can't upgrade to Node.js v20.1.0 yet.", []),
