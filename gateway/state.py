@@ -422,7 +422,8 @@ _NOT_RULE = re.compile(r"\bcan(?:['’]t|not)\s+(?:wait|believe|help|thank|imagi
 _ERROR_TEXT = re.compile(r"\w{0,40}(?:error|exception)\s*:|\berr!|\btraceback\b", re.IGNORECASE)
 _PREFERENCE = Pattern(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\bi(?:'d| would)\s+(?:like|rather)\b"
                       r"|\bplease\s+(?:always|never|keep|use|avoid)\b|\bmy\s+preference\s+(?:is|for)\b"
-                      r"|\bi(?:['’]ve|\s+have)?\s+(?:set|stated|expressed|have)\s+a\s+preference\s+for\b", caseless=True)
+                      r"|\bi(?:['’]ve|\s+have)?\s+(?:set|stated|expressed|have)\s+a\s+preference\s+for\b",
+                      caseless=True)
 # "I'd like to know more about X", "I want to try making kimchi": a request of the moment, not a
 # taste that lasts. Cut out before a preference is looked for; "I want to keep functions short" stays.
 _REQUEST = re.compile(r"\bi(?:\s+(?:just\s+|really\s+)?want|['’]d\s+(?:really\s+)?like|\s+would\s+like)\s+to\s+"

@@ -32,8 +32,9 @@ def _conversation(n: int, *, plant: dict[int, str] | None = None, day: int = 1) 
     return out
 
 
-def _index(messages: list[tuple[str, str, str]], tokens: int | list[int] = 20) -> RetrievalIndex:
-    index = RetrievalIndex()
+def _index(messages: list[tuple[str, str, str]], tokens: int | list[int] = 20,
+           params: RankingParams | None = None) -> RetrievalIndex:
+    index = RetrievalIndex(params)
     for i, (role, text, time) in enumerate(messages):
         index.add(i, role, text, time, tokens if isinstance(tokens, int) else tokens[i])
     return index
@@ -363,12 +364,16 @@ def test_a_question_about_the_start_favours_the_first_session() -> None:
     assert first.index == 0
     (plain,) = index.search("Which versions did I say I was using when I described my setup?", budget_tokens=20)
     assert plain.index == 60
-    off = RetrievalIndex(RankingParams(opening_weight=0.0))
-    for i, (role, text, time) in enumerate(messages):
-        off.add(i, role, text, time, 20)
+    off = _index(messages, params=RankingParams(opening_weight=0.0))
     (unfavoured,) = off.search("Which versions did I say I was using when I first described my setup?",
                                budget_tokens=20)
     assert unfavoured.index == 60
+
+
+def _with_and_without(plant: dict[int, str], **off: float) -> tuple[RetrievalIndex, RetrievalIndex]:
+    """A 70-message conversation with `plant`, indexed with the default ranking and with `off`."""
+    messages = _conversation(70, plant=plant)
+    return _index(messages), _index(messages, params=RankingParams(**off))  # type: ignore[arg-type]
 
 
 def test_a_question_about_what_one_side_said_favours_that_sides_messages() -> None:
@@ -381,11 +386,7 @@ def test_a_question_about_what_one_side_said_favours_that_sides_messages() -> No
         50: "The kestrel dashboard is slow; the kestrel dashboard queries the kestrel replica.",
         51: "Cache the kestrel dashboard queries for a minute.",
     }
-    messages = _conversation(70, plant=plant)
-    index = _index(messages)
-    off = RetrievalIndex(RankingParams(speaker_weight=0.0))
-    for i, (role, text, time) in enumerate(messages):
-        off.add(i, role, text, time, 20)
+    index, off = _with_and_without(plant, speaker_weight=0.0)
 
     def first(idx: RetrievalIndex, query: str) -> int:
         (hit,) = idx.search(query, budget_tokens=20)
@@ -405,16 +406,12 @@ def test_a_question_about_the_order_things_were_raised_in_favours_where_each_was
     plant = {
         40: "Next subject: rate limiting for the billing webhook.",
         41: "Put a token bucket in front of the billing webhook endpoint.",
-        42: "Billing webhook rate limiting again: billing webhook rate limiting at 50 billing webhook calls per second.",
+        42: "Billing webhook rate limiting again: billing webhook rate limiting at 50 billing webhook calls a second.",
         # New subjects sharing only the question's "list" or "order": nothing to lift.
         52: "My lunch order is late again today.",
         54: "Sort the customer list by signup date.",
     }
-    messages = _conversation(70, plant=plant)
-    index = _index(messages)
-    off = RetrievalIndex(RankingParams(survey_weight=0.0))
-    for i, (role, text, time) in enumerate(messages):
-        off.add(i, role, text, time, 20)
+    index, off = _with_and_without(plant, survey_weight=0.0)
     ordered = "Can you list in order what I brought up about the billing webhook rate limiting?"
     (raised,) = index.search(ordered, budget_tokens=20)
     (repeated,) = off.search(ordered, budget_tokens=20)
