@@ -32,7 +32,8 @@ docs/retrieval.md; `scripts/tune_retrieval.py` measures it):
    the recent window matches the question at least `reach_back` times as well (raw BM25) as the best
    earlier one: the question is about what the window already holds, and new excerpts would only be
    written to the provider's cache to be read past. Questions that name a time, or ask what was said
-   (steps 10 and 11's phrasing), always reach back.
+   (steps 10 and 11's phrasing in a sentence ending in "?" or opening with "list", "tell me", ...),
+   always reach back.
 9. Openings: a question about the start ("when I first described my setup", "the initial
    deadline", "originally") gives the messages of the first session 0.3 x the best score: in a
    project's conversation the start is where the setup, the first plan and the deadlines are said.
@@ -56,6 +57,7 @@ new postings only), and is O(messages) for the time prior only when the question
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import re
@@ -172,6 +174,30 @@ _OPENING = re.compile(r"\b(?:first|initial(?:ly)?|original(?:ly)?|outset|started
 _SURVEY = re.compile(r"\b(?:in\s+(?:the\s+)?(?:order|sequence)(?!\s+(?:to|for|that)\b)|order\s+in\s+which"
                      r"|chronolog\w*)\b",
                      re.IGNORECASE)
+# A sentence's end: ".", "!" or "?" before a space or the text's end ("Node.js" goes on), or a line break.
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+# An order to recall, opening a sentence that ends without a question mark.
+_RECALL_ORDER = re.compile(r"\s*(?:please\s+|can\s+you\s+|could\s+you\s+)?(?:list|walk|remind|recap|tell|summari[sz]e"
+                           r"|give|show|describe|go\s+over)\b", re.IGNORECASE)
+
+
+def _asks_what_was_said(phrasing: str) -> bool:
+    """Does the question ask what was said ("when did I bring up", "what did you recommend", "list in
+    order what I raised")? Only in a sentence that asks: one ending in "?", or opening with an order to
+    recall. "The ones you mentioned were great." and "I've been told to use X." ask nothing."""
+    ends = [(m.start(), m.end()) for m in _SENTENCE_END.finditer(phrasing)]  # once: linear in the phrasing
+    starts = [e for _, e in ends]
+    for pattern in (_USER_SAID, _ASSISTANT_SAID, _SURVEY):
+        for m in pattern.finditer(phrasing):
+            i = bisect.bisect_left(ends, (m.end(), 0))
+            if i < len(ends) and phrasing[ends[i][0]] == "?":
+                return True
+            j = bisect.bisect_right(starts, m.start())
+            if _RECALL_ORDER.match(phrasing, starts[j - 1] if j else 0):
+                return True
+    return False
+
+
 _MAX_TERMS = 64  # distinct words a question is searched by, the rarest in the conversation
 # Characters the request path indexes at each end of a longer message: 128,000 in all (about 32K
 # tokens, which only a history of about 400K tokens has the excerpt budget to quote).
@@ -650,11 +676,8 @@ class RetrievalIndex:
         scores = self._bm25(weights, n)
         raw = scores if p.neighbour_weight > 0 else dict(scores)  # (the priors add to `scores` in place)
         toks = self._tokens
-        # A question about what was said ("when did I bring up", "what did you recommend", "in the order
-        # in which") asks for the past even where the window shares its words, as one naming a time does.
-        asks_back = (_USER_SAID.search(phrasing) is not None or _ASSISTANT_SAID.search(phrasing) is not None
-                     or _SURVEY.search(phrasing) is not None)
-        if reach_back > 0 and window_start is not None and not spans and not asks_back and scores:
+        if (reach_back > 0 and window_start is not None and not spans and scores
+                and not _asks_what_was_said(phrasing)):
             # On the question's own words: the expansion's come from the window's last texts.
             own = scores if len(asked) == len(weights) else self._bm25(asked, n)
             skip = exclude if callable(exclude) else exclude.__contains__

@@ -165,16 +165,19 @@ def _content(text: str) -> frozenset[str]:
 
 
 _NEGATION = frozenset(("not", "never", "no", "t", "cannot", "without", "nor", "neither", "avoid", "stop"))
+_NOT = frozenset(("not", "never", "t", "cannot", "nor", "neither"))  # one negation in other words
 
 
-def _negations(text: str) -> frozenset[str]:
-    return _words(text) & _NEGATION
+def _negations(text: str) -> tuple[bool, frozenset[str]]:
+    """Whether a statement is negated ("not", "never", "don't" alike), and its other negating words."""
+    found = _words(text) & _NEGATION
+    return bool(found & _NOT), found - _NOT
 
 
 def is_duplicate(new: str, old: str) -> bool:
     """Same statement: similar words (or all of new's words in old, its framing words aside), no value
     the old one lacks, and not its reversal ("must use" after "must not use")."""
-    if not _values(new) <= _values(old) or bool(_negations(new)) != bool(_negations(old)):
+    if not _values(new) <= _values(old) or _negations(new) != _negations(old):
         return False
     if _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9):
         return True
@@ -193,6 +196,9 @@ def is_restatement(new: str, old: str) -> bool:
 _REVERSAL_SLACK = frozenset((
     "always", "ever", "any", "anymore", "longer", "more", "do", "does", "did", "can", "must", "should", "will",
     "shall", "would", "could", "may", "might", "have", "has", "had", "we", "i", "to",
+    # what "don't", "won't", "shouldn't" leave beside their "t"
+    "don", "doesn", "didn", "won", "shouldn", "couldn", "wouldn", "isn", "aren", "wasn", "weren", "haven", "hasn",
+    "hadn", "mustn", "shan",
 ))
 
 
@@ -200,7 +206,7 @@ def is_reversal(new: str, old: str) -> bool:
     """The same statement with its negation turned ("We must not use camelCase" after "We must use
     camelCase"): the newer one replaces it. Only when nothing else differs: "We decided not to use
     Memcached" does not reverse "We decided to use Redis"."""
-    if bool(_negations(new)) == bool(_negations(old)) or _values(new) != _values(old):
+    if _negations(new) == _negations(old) or _values(new) != _values(old):
         return False
     a, b = _words(new) - _NEGATION, _words(old) - _NEGATION
     return len(a & b) >= 3 and (a ^ b) <= _REVERSAL_SLACK
@@ -421,7 +427,7 @@ _NOT_RULE = re.compile(r"\bcan(?:['’]t|not)\s+(?:wait|believe|help|thank|imagi
 # An error message quoted without quotes ("TypeError: Cannot assign to ...") states what failed.
 _ERROR_TEXT = re.compile(r"\w{0,40}(?:error|exception)\s*:|\berr!|\btraceback\b", re.IGNORECASE)
 _PREFERENCE = Pattern(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\bi(?:'d| would)\s+(?:like|rather)\b"
-                      r"|\bplease\s+(?:always|never|keep|use|avoid)\b|\bmy\s+preference\s+(?:is|for)\b"
+                      r"|\bplease\s+(?:always|never|keep|use|avoid)\b|\bmy\s+preference\s+(?:is|would\s+be)\b"
                       r"|\bi(?:['’]ve|\s+have)?\s+(?:set|stated|expressed|have)\s+a\s+preference\s+for\b",
                       caseless=True)
 # "I'd like to know more about X", "I want to try making kimchi": a request of the moment, not a
@@ -509,10 +515,10 @@ _SUPERSEDE = re.compile(r"\binstead\s+of\s+([\w.+#-]+)|\bswitch(?:ed|ing)?\s+fro
                         r"|\b(?:upgrad|migrat|mov)(?:e|ed|es|ing)\s+(?:[\w ]{1,40}?\s)?from\s+([\w.+#-]+)\s+to\b"
                         r"|\bno\s+longer\s+(?:use|using|need)\s+([\w.+#-]+)|\breplac(?:e|ed|ing)\s+([\w.+#-]+)\s+with\b"
                         r"|\bdrop(?:ped|ping)?\s+([\w.+#-]+)\s+in\s+favou?r\s+of\b", _I)
-_BOLD = re.compile(r"\*\*(?=[^\s*])([^*\n]{1,300}?)(?<=[^\s*])\*\*")
+_BOLD = re.compile(r"(?<![\w*])\*\*(?=[^\s*])([^*\n]{1,300}?)(?<=[^\s*])\*\*(?![\w*])")
 # The closing mark of a bold label whose opening one went with the sentence's leading marks:
 # "Final decision:** PostgreSQL 16".
-_LEAD_BOLD = re.compile(r"^([^*\n]{1,60}?)\*\*(?=[\s:]|$)")
+_LEAD_BOLD = re.compile(r"^([^*\n]{1,60}?:)\*\*(?=\s|$)|^([^*\n]{1,60}?)\*\*(?=:)|^([A-Za-z][\w'-]{0,39})\*\*(?=\s)")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[])|\n+")
 _CODE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
 
@@ -781,7 +787,7 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
             added = _add_component(out, name, version, source=source, time=time) is not None or added
         for sentence, kind in statements:
             # Bold marks are an answer's layout, not the statement's words ("2**16" and "**kwargs" are words).
-            text = _LEAD_BOLD.sub(r"\1", _BOLD.sub(r"\1", sentence)) if "**" in sentence else sentence
+            text = _LEAD_BOLD.sub(r"\1\2\3", _BOLD.sub(r"\1", sentence)) if "**" in sentence else sentence
             item = add_item(out, kind, _clip(text), source=source, time=time)
             if item is None:
                 continue

@@ -305,6 +305,8 @@ def test_nothing_is_recalled_for_a_question_the_recent_window_answers_better() -
                        "Which base image did you suggest for the Dockerfile build?",
                        "In order, which base images did the Dockerfile build use?"):
         assert 12 in search(asked_back)
+    # The same words said, not asked, ask nothing of the past.
+    assert search("The base image you suggested for the Dockerfile build works.") == []
     assert 4 in search("Where is my sister's wedding going to be?")
     assert 12 in search("Which base image does the Dockerfile build use?", reach_back=0.0)
     # Not on the window's topic alone: a time named sends the question back.

@@ -324,12 +324,26 @@ def test_only_a_statement_turned_by_its_negation_alone_replaces_it(first: str, s
     assert len(items) == active and items[0].text == first and not any(i.was for i in items)
 
 
+@pytest.mark.parametrize(("first", "second"), [
+    ("We use Redis for caching.", "We don't use Redis for caching."),
+    ("Don't use tabs for indentation.", "Use tabs for indentation."),
+    ("Use Redis without TLS.", "Don't use Redis without TLS."),
+])
+def test_a_contraction_reverses_as_not_does(first: str, second: str) -> None:
+    """"Don't", "won't" reverse a statement as "not" does; "without" beside them is no negation of it."""
+    ledger = state.Ledger()
+    for source, text in enumerate((first, second)):
+        state.add_item(ledger, "constraints", text, source=source, time=None)
+    assert [(i.text, i.was) for _, i in ledger.all_items() if i.superseded_by is None] == [(second, [first])]
+
+
 def test_bold_marks_go_but_stars_that_are_words_stay() -> None:
     """An answer's bold labels are layout; a glob, **kwargs and a power are the statement's words."""
     said = ["Never commit files matching **/*.env to the repo.", "Every handler must accept **kwargs in the API.",
-            "The cache key must be 2**16 entries at most.", "**Always** use **strict mode** in every file."]
+            "The cache key must be 2**16 entries at most.", "We must compute x**2 + y**2 for every point.",
+            "Always exclude node_modules/** from the lint run.", "**Always** use **strict mode** in every file."]
     ledger = state.extract(state.Ledger(), [turn("user", "\n".join(said))], 0)
-    assert [i.text for i in ledger.active("constraints")] == [*said[:3], "Always use strict mode in every file."]
+    assert [i.text for i in ledger.active("constraints")] == [*said[:5], "Always use strict mode in every file."]
 
 
 @pytest.mark.parametrize(("text", "decided"), [
@@ -403,6 +417,7 @@ def test_orders_are_rules(text: str) -> None:
     ("I've set a preference for CPU-only deployment due to hardware constraints.", "preferences"),
     ("My preference is tabs over spaces in the Makefile.", "preferences"),
     ("Some people have a preference for darker roasts.", None),
+    ("Please ignore my preference for tabs from earlier.", None),
 ])
 def test_a_request_of_the_moment_is_not_a_preference(text: str, kind: str | None) -> None:
     """"I'd like to know more about X" asks for something now; a preference is a taste that lasts."""
