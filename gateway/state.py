@@ -186,9 +186,15 @@ def is_duplicate(new: str, old: str) -> bool:
 
 
 def is_restatement(new: str, old: str) -> bool:
-    """`new` says all that `old` said and more (a near-duplicate that extends it): it takes old's place."""
-    return (len(_words(old)) >= 4 and len(_words(new) - _words(old)) >= 2 and _values(old) <= _values(new)
-            and _contained(old, new) >= 0.9 and _similar(new, old, 0.5))
+    """`new` says all that `old` said and more (a near-duplicate that extends it): it takes old's place.
+    Framing words aside too: "Always use camelCase for variable names when I ask about JavaScript"
+    after "I've been told to always use camelCase for variable names"."""
+    if len(_words(old)) < 4 or len(_words(new) - _words(old)) < 2 or not _values(old) <= _values(new):
+        return False
+    if _contained(old, new) >= 0.9 and _similar(new, old, 0.5):
+        return True
+    content = _content(old)
+    return len(content) >= 4 and content <= _content(new) and _negations(new) == _negations(old)
 
 
 # What may differ, besides a negation, between a statement and its reversal: "We must never use X"

@@ -295,6 +295,13 @@ def test_framing_words_do_not_make_a_second_rule() -> None:
     ledger = state.extract(ledger, [turn("user", "I've been told to always use camelCase for variable names.")], 4)
     assert [i.text for i in ledger.active("constraints")] == [
         "Always use camelCase for variable names when I ask about JavaScript code style."]
+    # Said the other way round, the fuller rule takes the framed one's place.
+    framed = "I've been told to always use camelCase for variable names."
+    ledger = state.extract(state.Ledger(), [turn("user", framed)], 0)
+    ledger = state.extract(ledger, [turn(
+        "user", "Always use camelCase for variable names when I ask about JavaScript code style.")], 4)
+    assert [i.text for i in ledger.active("constraints")] == [
+        "Always use camelCase for variable names when I ask about JavaScript code style."]
 
 
 def test_a_reversed_rule_replaces_the_one_it_reverses() -> None:
