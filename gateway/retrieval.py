@@ -713,7 +713,7 @@ class RetrievalIndex:
             # "The order in which I brought up ..." is answered by the messages where the user raised
             # each subject: user messages on its words, by how new their words were where they were said.
             # Scaled by the message's own match: a message sharing only "list" or "order" with the
-            # question gets next to nothing.
+            # question gains no more than its own small score.
             bonus = p.survey_weight / 255
             novelty, roles = self._novelty, self._roles
             get = scores.get
