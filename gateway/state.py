@@ -510,9 +510,12 @@ _NOT_COMPONENTS = frozenset((
     "september", "october", "november", "december", "q1", "q2", "q3", "q4",
 ))
 # A lower-case word in -ing or -ed (not -eed) is prose, not a package, in "ranging from 0.1 to 0.9"
-# and "the planned v1.1.0 release"; "tracing 0.1.40" and "keyring 24.3.1" are packages.
+# (no upgrading verb before it) and "the planned v1.1.0 release" (a release word after it);
+# "tracing 0.1.40", "the tracing 0.1.40 crate", "upgraded keyring from 23.13.1 to 24.3.1" are packages.
 _VERB_FORM = re.compile(r"[a-z]{2,40}(?:ing|[^e]ed)")
 _DETERMINER = re.compile(r"\b(?:the|a|an|this|that|our|my|its|their|your)\s+$", re.IGNORECASE)
+_UPGRADED = re.compile(r"\b(?:upgrad|updat|bump|mov|migrat|pinn?|downgrad)\w*\s+$", re.IGNORECASE)
+_RELEASE_WORD = re.compile(r"\s+(?:release|version|build|milestone|launch|rollout|update)\b", re.IGNORECASE)
 _NAMED = re.compile(r"[a-z][A-Z]|[.+#-]")  # "OAuth", "PyTorch", "Node.js", "Flask-Limiter": a product's spelling
 MAX_STACK = 48  # active components a ledger keeps (the oldest go first), ahead of other extracted items
 MAX_COMPONENTS = 16  # per message: what one message names beyond that is a list, not a stack
@@ -691,15 +694,15 @@ def components(sentence: str) -> Iterator[tuple[str, str]]:
     text = _COMPONENT_VERSION_WORD.sub("v", _unquoted(sentence))
     found: list[tuple[int, str, str]] = []
     for m in _UPGRADE.finditer(text):
-        if not _VERB_FORM.fullmatch(m["name"]):
+        if not _VERB_FORM.fullmatch(m["name"]) or _UPGRADED.search(text, max(0, m.start() - 16), m.start()):
             found += [(m.start(), m["name"], m["old"]), (m.start() + 1, m["name"], m["new"])]
     for m in _COMPONENT.finditer(text):
         if text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
             continue  # "moved to Vue 3.3.4 from Vue 2.7.14": the one left behind
         capitalised = m["name"] is not None
         version = m["version"] or m["lversion"]
-        if not capitalised and _VERB_FORM.fullmatch(m["lname"]) and _DETERMINER.search(text, max(0, m.start() - 8),
-                                                                                      m.start()):
+        if (not capitalised and _VERB_FORM.fullmatch(m["lname"]) and _RELEASE_WORD.match(text, m.end())
+                and _DETERMINER.search(text, max(0, m.start() - 8), m.start())):
             continue  # "the planned v1.1.0 release"
         words = (m["name"] or m["lname"]).split()
         while words and words[0].lower() in _NOT_COMPONENTS:

@@ -480,6 +480,8 @@ def test_reference_tags_after_a_statement_are_not_state() -> None:
     ("Release date 2024.03.02 is set, and we bumped 1.2.3 to its 3.12.0 successor.", []),
     ("Scores ranging from 0.1 to 0.9 pass, as in the planned v1.1.0 release.", []),
     ("We use tracing 0.1.40 and keyring 24.3.1.", [("tracing", "0.1.40"), ("keyring", "24.3.1")]),
+    ("I'm using the tracing 0.1.40 crate.", [("tracing", "0.1.40")]),
+    ("We upgraded keyring from 23.13.1 to 24.3.1.", [("keyring", "23.13.1"), ("keyring", "24.3.1")]),
     # Questions, negations, hypotheses and quoted errors: not what the project runs.
     ("Should I upgrade to Node.js v20.1.0?", []),
     ("I can't upgrade to Node.js v20.1.0 yet.", []),
