@@ -673,6 +673,13 @@ def classify(sentence: str, role: str) -> Kind | None:
     return None
 
 
+def unbold(sentence: str) -> str:
+    """`sentence` without an answer's bold marks, which are layout, not its words: pairs at word edges,
+    and a label's closing mark whose opening one went with the sentence's leading marks ("Final
+    decision:** PostgreSQL"). "2**16", "x**2", "**kwargs" and "node_modules/**" keep their stars."""
+    return _LEAD_BOLD.sub(r"\1\2\3", _BOLD.sub(r"\1", sentence)) if "**" in sentence else sentence
+
+
 def _clip(text: str, words: int = 60) -> str:
     return clip_words(text, words)
 
@@ -795,9 +802,7 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
         for name, version in named:
             added = _add_component(out, name, version, source=source, time=time) is not None or added
         for sentence, kind in statements:
-            # Bold marks are an answer's layout, not the statement's words ("2**16" and "**kwargs" are words).
-            text = _LEAD_BOLD.sub(r"\1\2\3", _BOLD.sub(r"\1", sentence)) if "**" in sentence else sentence
-            item = add_item(out, kind, _clip(text), source=source, time=time)
+            item = add_item(out, kind, _clip(unbold(sentence)), source=source, time=time)
             if item is None:
                 continue
             added = True

@@ -188,7 +188,7 @@ def extract_lines(turns: Sequence[Message], *, per_turn: int = 4, max_words: int
             if sc < 1.0 or (role == "assistant" and _heading(sentence, headings)):
                 continue
             # Bold marks of an answer's layout ("June 2024**: Finalize ...") are noise on a line.
-            candidates.append((sc, i, state.clip_words(sentence.replace("**", ""), max_words)))
+            candidates.append((sc, i, state.clip_words(state.unbold(sentence), max_words)))
         # A long message must not flood the summary: its best few sentences, in their order.
         best = sorted(sorted(candidates, key=lambda c: -c[0])[:per_turn], key=lambda c: c[1])
         out += [(sc, f"{role}: {sentence}") for sc, _, sentence in best]

@@ -404,12 +404,13 @@ def test_an_answers_headings_and_file_names_are_not_summary_lines() -> None:
               "## Step 2. Configure NGINX 1.24 Reverse Proxy Settings\n- **Monitoring for Kubernetes 1.29 Clusters**\n"
               "Tag the new Docker image as `v1.1.0` before the rollout on 2024-04-20.\n"
               "2. **Use a queue**: offload the 500 exports to RabbitMQ 3.12 workers.\n"
-              "Use Redis 7.2.\nFixed in v2.3.1.\n")
+              "Use Redis 7.2.\nFixed in v2.3.1.\nWe decided to set the export buffer to 2**16 bytes.\n")
     lines = [line for _, line in extract_lines([turn("assistant", answer), turn("user", "Port 8443 only.")],
                                                per_turn=20)]
     assert any("Tag the new Docker image as `v1.1.0`" in line for line in lines)
     assert any("Use a queue: offload the 500 exports to RabbitMQ 3.12" in line for line in lines)  # bold dropped
     assert "assistant: Use Redis 7.2." in lines and "assistant: Fixed in v2.3.1." in lines  # short, but sentences
+    assert "assistant: We decided to set the export buffer to 2**16 bytes." in lines  # a power is no bold mark
     assert "user: Port 8443 only." in lines
     assert not any(x in line for line in lines for x in ("Unit Testing", "deployment.yaml", "Important Notes",
                                                          "Step 3", "Best Practices", "Reverse Proxy", "Monitoring"))
