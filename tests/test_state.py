@@ -524,6 +524,23 @@ def test_an_assistants_stack_sentence_is_not_the_projects_stack() -> None:
     assert [i.text for i in ledger.active("tech_stack")] == ["We're using Redis for caching and Express for the API."]
 
 
+@pytest.mark.parametrize(("text", "decided"), [
+    ("We'll use NumPy arrays to represent these bounding boxes.", False),
+    ("Let's use the points (2, 3) and (5, 11) as an example.", False),
+    ("For simplicity, we'll use a list as the queue for demonstration purposes.", False),
+    ("We decided to use Redis 7 for the session store.", True),
+    ("We've agreed on PostgreSQL 16 for the orders service.", True),
+    ("We went with Celery for the background jobs.", True),
+])
+def test_an_assistant_decides_only_by_reporting_a_decision(text: str, decided: bool) -> None:
+    """An answer walking through its own code ("we'll use", "let's use") decides nothing for the
+    project; an assistant reporting what was decided does. The user's "we'll use" is a decision."""
+    ledger = state.extract(state.Ledger(), [turn("assistant", text)], 0)
+    assert [i.text for i in ledger.active("decisions")] == ([text] if decided else [])
+    ledger = state.extract(state.Ledger(), [turn("user", "We'll use NumPy arrays for the bounding boxes.")], 0)
+    assert [i.text for i in ledger.active("decisions")] == ["We'll use NumPy arrays for the bounding boxes."]
+
+
 def test_the_stack_renders_before_decisions_and_outlives_older_items() -> None:
     """Components render on one line ahead of decisions, and a full ledger drops older extracted
     statements before the stack the project started on."""
