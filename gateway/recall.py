@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from gateway.embed import nearest
 from gateway.model import Message
-from gateway.retrieval import _STAMP_RE, RetrievalIndex
+from gateway.retrieval import STAMP_RE, RetrievalIndex
 
 # Tokens of an excerpt's "[message 123, assistant, 2023-05-08T13:56:00]" header (cl100k: 17-19).
 EXCERPT_HEADER_TOKENS = 20
@@ -129,7 +129,7 @@ class _Entry:
         if stop <= start or self.dropped:
             return None
         # The date stamp some clients open a session with says nothing about the subject.
-        texts = [_STAMP_RE.sub("", self.rows[i][1], count=1) for i in range(start, stop)]
+        texts = [STAMP_RE.sub("", self.rows[i][1], count=1) for i in range(start, stop)]
         return start, texts, self.cuts
 
     def put(self, start: int, vectors: Any, cuts: int) -> None:

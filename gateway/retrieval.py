@@ -144,7 +144,7 @@ _UNICODE_WORD_RE = re.compile(r"[^\W_]+")
 _MARKS_RE = re.compile(r"[\u0300-\u036f]+")  # combining accents, as NFKD splits them off
 _CJK_RE = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
 # "[2023/08/11 (Fri) 15:58] " as LongMemEval-style clients stamp a session's first message.
-_STAMP_RE = re.compile(
+STAMP_RE = re.compile(
     r"^\s*\[(\d{4})[/-](\d{1,2})[/-](\d{1,2})(?:\s*\(\w+\))?(?:[ T](\d{1,2}):(\d{2})(?::\d{2})?)?\]\s*"
 )
 
@@ -494,7 +494,7 @@ class RetrievalIndex:
         when = _parse_time(time)
         stamped = False
         if p.strip_stamp and text:
-            m = _STAMP_RE.match(text)
+            m = STAMP_RE.match(text)
             if m:
                 stamped = True
                 text = text[m.end():]
@@ -633,7 +633,7 @@ class RetrievalIndex:
         p = self._p
         when = _parse_time(query_time)
         if p.strip_stamp:
-            m = _STAMP_RE.match(query)
+            m = STAMP_RE.match(query)
             if m:
                 query = query[m.end():]
                 when = when or _stamp_time(m)

@@ -26,6 +26,7 @@ from datetime import datetime
 
 from gateway import state
 from gateway.model import Message
+from gateway.retrieval import STAMP_RE
 
 Count = Callable[[str], int]
 HEADING = "Timeline:"
@@ -175,13 +176,16 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
             last_seen = seconds
         if turn.role not in ("user", "assistant"):
             continue
+        # A leading "[2023/05/20 (Sat) 07:47]" is the line's own date: as terms it took the room of
+        # topics ("2023/05/21, Sun, 12:21"), and it opened every opening.
+        text = STAMP_RE.sub("", turn.text, count=1)
         if turn.role == "user":
-            sentences = state.sentences(turn.text)
+            sentences = state.sentences(text)
             if not current.opening:
                 opening = next((s for s in sentences if state.is_statement(s) or s.endswith("?")), "")
                 current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
-            current.counts.update(_terms(turn.text))
-        for sentence in state.sentences(turn.text):
+            current.counts.update(_terms(text))
+        for sentence in state.sentences(text):
             if state.classify(sentence, turn.role) == "decisions":
                 text = state.clip_words(sentence[state.decision_at(sentence):].rstrip(". "), DECISION_WORDS)
                 text = text.replace("; ", ", ").replace(" | ", ", ")

@@ -90,6 +90,19 @@ def test_a_list_of_numbers_is_not_a_topic_but_a_number_is() -> None:
     assert terms == ["1,000", "Redis", "7.2", "3000"]
 
 
+def test_a_leading_date_stamp_is_the_lines_date_not_its_topic() -> None:
+    """Clients that date each message in its text ("[2023/05/20 (Sat) 07:47] ...") get the session's
+    subjects as topics and opening, not the stamp's date, weekday and time."""
+    turns = [msg("user", "[2023/05/20 (Sat) 07:47] I'm looking for advice on the Fujifilm X-T5 and a 23mm lens.",
+                 "2023-05-20T07:47:00"),
+             msg("assistant", "[2023/05/20 (Sat) 07:48] The XF 23mm f/2 pairs well with it.", "2023-05-20T07:48:00"),
+             msg("user", "[2023/05/20 (Sat) 07:52] What about a bag for the X-T5?", "2023-05-20T07:52:00")]
+    (line,) = timeline.extend([], turns, 0)
+    assert line.opening.startswith("I'm looking for advice on the Fujifilm X-T5")
+    assert "X-T5" in line.terms and "23mm" in line.terms
+    assert not {"2023/05/20", "Sat", "07:47", "07:52"} & set(line.terms)
+
+
 def test_a_time_at_the_calendars_end_east_of_utc_does_not_break_a_fold(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stored 9999-12-31T12:00:00 (before X-Message-Time was bounded) read as local time on a host
     east of UTC overflowed, and every fold of the conversation failed: it is undated instead."""
