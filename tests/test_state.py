@@ -524,6 +524,21 @@ def test_an_assistants_stack_sentence_is_not_the_projects_stack() -> None:
     assert [i.text for i in ledger.active("tech_stack")] == ["We're using Redis for caching and Express for the API."]
 
 
+def test_a_pasted_page_states_nothing_but_what_the_user_says_about_it() -> None:
+    """A long message is mostly what the user pasted (a chapter, a form's instructions): its rules
+    are not the user's. What the user says around it in their own voice still counts, and a short
+    message needs no voice ("The service must handle 1,000 users")."""
+    pasted = " ".join(["You have to crawl before you walk, and you have to take it in steps.",
+                       "Petitioners must file this supplement with the Form I-129.",
+                       *["The committee reviews each application in the order it arrives."] * 40])
+    text = f"Summarise this chapter for me. {pasted} I must send the summary by Friday."
+    assert len(text) > state.PASTED_CHARS
+    ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
+    assert [i.text for i in ledger.active("constraints")] == ["I must send the summary by Friday."]
+    ledger = state.extract(ledger, [turn("user", "The service must handle 1,000 users.")], 1)
+    assert "The service must handle 1,000 users." in [i.text for i in ledger.active("constraints")]
+
+
 @pytest.mark.parametrize(("text", "decided"), [
     ("We'll use NumPy arrays to represent these bounding boxes.", False),
     ("Let's use the points (2, 3) and (5, 11) as an example.", False),
