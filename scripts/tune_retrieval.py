@@ -12,11 +12,13 @@ the probe are the window, always forwarded), searches with the probe question (t
   (full history up to `after` + question tokens), cl100k.
 
 Usage: scripts/tune_retrieval.py [DATA] [--budget N] [--keep-recent 10] [--plain] [--set k=v ...]
-       [--embeddings [--vectors FILE.npz] [--dense-top 50]] [--half 0|1]
+       [--embeddings [--vectors FILE.npz] [--dense-top 50]] [--half 0|1] [--header-tokens 20]
 
 `--embeddings` fuses the lexical ranks with the packaged embedding model's (gateway/embed.py): every
 message and question is embedded once (cached in --vectors when given). `--half` keeps every other
-probe (0 or 1), to tune on one half of a data set and check on the other.
+probe (0 or 1), to tune on one half of a data set and check on the other. `--header-tokens 20`
+budgets each excerpt at its text plus the "[message N, role, time]" header the gateway renders, as
+the gateway does (`recall.EXCERPT_HEADER_TOKENS`); the default 0 reproduces docs/retrieval.md's figures.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def _vectors(conversations: list[dict[str, Any]], cache: Path | None) -> tuple[A
 def run(
     data: Path, budget: int, keep_recent: int, params: RankingParams, verbose: bool = False,
     *, embeddings: bool = False, vectors: Path | None = None, dense_top: int = 50, half: int | None = None,
+    header_tokens: int = 0,
 ) -> dict[str, Any]:
     enc = _encoder()
     recalls: list[float] = []
@@ -138,7 +141,7 @@ def run(
             index = RetrievalIndex(params)
             for i in range(cut):
                 m = messages[i]
-                index.add(i, m["role"], m["content"] or "", m.get("time"), tokens[i])
+                index.add(i, m["role"], m["content"] or "", m.get("time"), tokens[i] + header_tokens)
             window = [messages[i]["content"] or "" for i in range(cut, after)]
             question = probe["question"]
             t0 = time.perf_counter()
@@ -150,7 +153,7 @@ def run(
             )
             latencies.append(time.perf_counter() - t0)
             retrieved = [h.index for h in hits]
-            used = sum(tokens[i] for i in retrieved)
+            used = sum(tokens[i] + header_tokens for i in retrieved)
             assert used <= budget, "budget exceeded"
             assert retrieved == sorted(set(retrieved)), "not ascending / duplicated"
             assert all(i < cut for i in retrieved), "excluded position returned"
@@ -202,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vectors", type=Path, default=None, help="cache of the embeddings (.npz)")
     ap.add_argument("--dense-top", type=int, default=50, help="dense candidates fused (default 50)")
     ap.add_argument("--half", type=int, choices=(0, 1), default=None, help="every other probe only")
+    ap.add_argument("--header-tokens", type=int, default=0,
+                    help="tokens budgeted per excerpt beyond its text (the gateway's: 20; default 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="list the probes with missed evidence")
     args = ap.parse_args(argv)
     params = build_params(args.plain, args.overrides)
     res = run(args.data, args.budget, args.keep_recent, params, args.verbose, embeddings=args.embeddings,
-              vectors=args.vectors, dense_top=args.dense_top, half=args.half)
+              vectors=args.vectors, dense_top=args.dense_top, half=args.half, header_tokens=args.header_tokens)
     print(f"data={args.data.name} budget={args.budget} keep_recent={args.keep_recent} probes={res['probes']}")
     print(f"{'category':<28}{'n':>4}{'recall':>9}")
     for cat, (rec, n) in res["by_category"].items():
