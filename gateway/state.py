@@ -174,10 +174,47 @@ def _negations(text: str) -> tuple[bool, frozenset[str]]:
     return bool(found & _NOT), found - _NOT
 
 
+_CONDITION = frozenset(("when", "whenever", "if", "unless"))
+_ORDERING = frozenset(("over", "than", "instead", "rather", "before", "after", "from", "to", "into", "vs", "versus"))
+
+
+@lru_cache(maxsize=4096)
+def _sequence(text: str) -> tuple[str, ...]:
+    return tuple(_WORD.findall(text.lower()))
+
+
+def is_change(new: str, old: str) -> bool:
+    """The same statement with one choice changed: "I prefer light mode in every editor" after "I
+    prefer dark mode in every editor", "We must deploy on Mondays" after "... on Fridays", "I prefer
+    spaces over tabs" after "tabs over spaces". The newer one replaces it. One or two words in one
+    place differ, and what is around them (at least three words, most of the statement) is the same;
+    or the same words come in another order. Two changes apart ("camelCase for variable names" /
+    "snake_case for function names") are two statements."""
+    a, b = _sequence(new), _sequence(old)
+    if a == b or _values(new) != _values(old):
+        return False  # a changed number or path is an update, a changed identifier another statement
+    pre = 0
+    while pre < min(len(a), len(b)) and a[pre] == b[pre]:
+        pre += 1
+    suf = 0
+    while suf < min(len(a), len(b)) - pre and a[-1 - suf] == b[-1 - suf]:
+        suf += 1
+    if not _CONDITION.isdisjoint(a[:pre]):
+        return False  # "... when I ask about X" / "... about Y": the same order for another case
+    if len(a) == len(b) >= 3 and sorted(a) == sorted(b):
+        # "spaces over tabs": an order that says which comes first; "Express and Socket.io" is a list.
+        return not _ORDERING.isdisjoint(a[pre:len(a) - suf])
+    kept = pre + suf
+    if not (1 <= len(a) - kept <= 2 and 1 <= len(b) - kept <= 2 and kept >= 3 and kept >= 0.6 * max(len(a), len(b))):
+        return False
+    # "must never" for "must not" says the same; a turned negation is a reversal (is_reversal).
+    return not {*a[pre:len(a) - suf], *b[pre:len(b) - suf]} <= _NEGATION | _REVERSAL_SLACK
+
+
 def is_duplicate(new: str, old: str) -> bool:
     """Same statement: similar words (or all of new's words in old, its framing words aside), no value
-    the old one lacks, and not its reversal ("must use" after "must not use")."""
-    if not _values(new) <= _values(old) or _negations(new) != _negations(old):
+    the old one lacks, not its reversal ("must use" after "must not use") nor a changed choice."""
+    if not _values(new) <= _values(old) or _negations(new) != _negations(old) or is_change(new, old):
         return False
     if _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9):
         return True
@@ -253,7 +290,8 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
     targets: list[Item] = []
     if replaces:
         targets += [i for _, i in ledger.all_items() if i.id == replaces and i.superseded_by is None]
-    targets += [old for old in existing if is_update(text, old.text) or is_reversal(text, old.text)]
+    targets += [old for old in existing
+                if is_update(text, old.text) or is_reversal(text, old.text) or is_change(text, old.text)]
     if kind == "goal":
         targets += existing
     merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]
