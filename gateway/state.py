@@ -479,6 +479,8 @@ _PREFERENCE = Pattern(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\
 _REQUEST = re.compile(r"\bi(?:\s+(?:just\s+|really\s+)?want|['’]d\s+(?:really\s+)?like|\s+would\s+like)\s+to\s+"
                       r"(?!keep\b|use\b|avoid\b|stick\b|stay\b|limit\b|prioriti[sz]e\b|minimi[sz]e\b)",
                       re.IGNORECASE)
+# "... not working as well as I'd like", "more than I'd like": a measure, not a wish.
+_AS_LIKED = re.compile(r"\b(?:as|than)\s+i(?:['’]d|\s+would)\s+(?:like|want)\b", re.IGNORECASE)
 # "I like those ideas, thanks!", "I love it": a reply to what was just said, naming no taste of its own.
 _REACTION = re.compile(r"\bi\s+(?:really\s+|also\s+|do\s+)?(?:like|love)\s+(?:it|this|that|these|those|them)"
                        r"(?:\s+(?:idea|ideas|one|ones|suggestion|suggestions|plan|approach))?"
@@ -692,7 +694,7 @@ def is_preference(sentence: str, low: str | None = None) -> bool:
     ascii_lower(sentence), when known."""
     if not _PREFERENCE.search(sentence, low):
         return False
-    text = _REACTION.sub(" ", _REQUEST.sub(" ", sentence))
+    text = _AS_LIKED.sub(" ", _REACTION.sub(" ", _REQUEST.sub(" ", sentence)))
     return text == sentence or _PREFERENCE.search(text, ascii_lower(text))
 
 

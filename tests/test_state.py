@@ -453,6 +453,8 @@ def test_orders_are_rules(text: str) -> None:
     ("My preference is tabs over spaces in the Makefile.", "preferences"),
     ("Some people have a preference for darker roasts.", None),
     ("Please ignore my preference for tabs from earlier.", None),
+    ("The pills don't seem to be working as well as I'd like.", None),
+    ("It takes longer than I would like, and I prefer short builds.", "preferences"),
 ])
 def test_a_request_of_the_moment_is_not_a_preference(text: str, kind: str | None) -> None:
     """"I'd like to know more about X" asks for something now; a preference is a taste that lasts."""
