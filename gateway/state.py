@@ -508,6 +508,9 @@ _DIGIT_OR_SLASH = re.compile(r"[\d/]")
 _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"
                       r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b", caseless=True,
                       needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
+# A fact says something of its value: "2.0.85", "Source: https://...", "Certificate: PG-13" alone
+# (pasted references, a log's stamp) are not one. Words of letters only, outside any URL or path.
+_PROSE_WORD = re.compile(r"(?<![\w/.:-])[A-Za-z]+(?:['’][a-z]+)?(?![\w/.:-])")
 # A named component at a version ("Node.js v18.15.0", "React Hook Form version 7.43.9", "pandas 2.0.3"):
 # the tech stack with its versions, from what the user states. A capitalised name may run to three
 # words; a lower-case one needs a "v" or a full x.y.z (prose says "about 2.5 seconds"). Linear: a
@@ -720,7 +723,7 @@ def classify(sentence: str, role: str) -> Kind | None:
         return "tech_stack"
     if user and _ARCH.search(sentence, low):
         return "architecture"
-    if user and _FACT_VALUE.search(sentence, low):
+    if user and _FACT_VALUE.search(sentence, low) and len(_PROSE_WORD.findall(sentence, 0, 2000)) >= 2:
         return "facts"
     return None
 

@@ -554,6 +554,18 @@ def test_an_assistants_stack_sentence_is_not_the_projects_stack() -> None:
     assert [i.text for i in ledger.active("tech_stack")] == ["We're using Redis for caching and Express for the API."]
 
 
+@pytest.mark.parametrize(("text", "kind"), [
+    ("URL: https://www.budgetbytes.com/category/recipes/vegetarian/", None),
+    ("Certificate: PG-13", None),
+    ("2023-01-14 18:59:13", None),
+    ("Deadline is 2024-03-01.", "facts"),
+    ("Here's the link to my pitch deck: https://drive.example.com/file/d/1Qw.", "facts"),
+])
+def test_a_fact_says_something_of_its_value(text: str, kind: str | None) -> None:
+    """A reference or stamp pasted alone names a value and says nothing of it."""
+    assert state.classify(text, "user") == kind
+
+
 def test_a_pasted_page_states_nothing_but_what_the_user_says_about_it() -> None:
     """A long message is mostly what the user pasted (a chapter, a form's instructions): its rules
     are not the user's. What the user says around it in their own voice still counts, and a short
