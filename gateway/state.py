@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.model import Message
+from gateway.retrieval import STAMP_RE
 
 Kind = Literal["goal", "architecture", "tech_stack", "decisions", "constraints", "preferences",
                "open_tasks", "facts"]
@@ -491,8 +492,17 @@ _TODO = Pattern(r"\bTODO\b")
 # An assistant's decision counts when it reports one made ("we decided", "Decision: ..."). Its "we'll
 # use X" / "let's use X" walks through its own answer ("Let's use the points (2, 3)", "we'll use a list
 # for demonstration purposes"): 165 of the 168 assistant decisions of both development sets were that.
-_MADE = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b|decision",
+_MADE = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
+                r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}decision(?:\*\*)?\s*:",
                 caseless=True)
+# A short reply agreeing to what the assistant proposed: "OK, let's do that", "Postgres it is", "Yes please".
+_ASSENT = re.compile(r"\s*(?:ok(?:ay)?|yes|yep|yeah|sure|agreed|deal|perfect|great|sounds\s+good|let['’]s\s+do\s+(?:that|it)"
+                     r"|go\s+(?:with|for)\s+it)\b|.{0,60}\bit\s+is[.!]*\s*$", re.IGNORECASE)
+
+
+def agreed(turn: Message) -> bool:
+    """Whether `turn` is the user's short assent to a proposal."""
+    return turn.role == "user" and len(turn.text) <= 200 and _ASSENT.match(STAMP_RE.sub("", turn.text, count=1)) is not None
 _STACK = Pattern(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
                  r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", caseless=True)
 _ARCH = Pattern(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
@@ -594,8 +604,13 @@ MAX_STATEMENTS = 64
 # have to crawl before you walk", "petitioners must complete ...", "npm ERR! ...") and 1 of 13 on the
 # coding set (a `git clone` line).
 PASTED_CHARS = 2_000
-_VOICE = re.compile(r"(?<![\w'’-])(?:i|i['’](?:m|ve|d|ll)|me|my|we|we['’](?:re|ve|ll|d)|our|us|let['’]s|please)"
-                    r"(?![\w'’-])", re.IGNORECASE)
+# "I" upper-case only, and not a numeral ("Part I", "Form I-129"); "us" lower-case only ("US applicants").
+_VOICE = re.compile(r"(?<![\w'’ʼ-])(?:" + "".join(f"(?<!{w} )" for w in ("part", "chapter", "phase", "type", "war", "book",
+                                                                         "volume", "act", "article", "form"))
+                    + r"(?-i:I)(?:['’ʼ](?:m|ve|d|ll))?|me|my|we|we['’ʼ](?:re|ve|ll|d)|our|(?-i:us)|let['’ʼ]s|please)"
+                    r"(?![\w'’ʼ-])", re.IGNORECASE)
+# An order opening its sentence is the user's whoever's words follow: "Never add new dependencies."
+_ORDER_OPENING = re.compile(r"[\W_]{0,3}(?:always|never|don['’]t|do\s+not|make\s+sure|avoid)\b", re.IGNORECASE)
 
 
 def sentences(text: str) -> tuple[str, ...]:
@@ -603,6 +618,16 @@ def sentences(text: str) -> tuple[str, ...]:
     # A fold splits each aged message twice, for summary lines and for ledger items: the last
     # few are remembered, unless long (tool output, which only the summary reads).
     return _split_sentences(text) if len(text) > 16_384 else _remembered_sentences(text)
+
+
+def own_sentences(role: str, text: str) -> tuple[str, ...]:
+    """The sentences of a message that can state its author's project, a leading date stamp aside
+    ("[2023/05/20 (Sat) 07:47] ..."): all of them, but of a user message whose prose (its code
+    aside) runs past PASTED_CHARS only those in the user's own voice or giving an order."""
+    said = sentences(STAMP_RE.sub("", text, count=1))
+    if role == "user" and sum(map(len, said)) > PASTED_CHARS:
+        return tuple(s for s in said if _VOICE.search(s) or _ORDER_OPENING.match(s))
+    return said
 
 
 def _untagged(sentence: str) -> str:
@@ -701,15 +726,18 @@ def is_preference(sentence: str, low: str | None = None) -> bool:
     return text == sentence or _PREFERENCE.search(text, ascii_lower(text))
 
 
-def classify(sentence: str, role: str) -> Kind | None:
-    """Which ledger kind a sentence states, if any. Users set goals, rules and tastes; both sides decide."""
+def classify(sentence: str, role: str, *, joint: bool = False) -> Kind | None:
+    """Which ledger kind a sentence states, if any. Users set goals, rules and tastes; both sides decide.
+    `joint`: an assistant's message answering the user's assent ("OK, let's do that"), whose "we'll
+    use X" states what the two agreed."""
     user = role == "user"
+    sentence = sentence.replace("’", "'")  # the patterns spell contractions with "'"
     low = ascii_lower(sentence)
     if _NOT_STATE.search(sentence, low):
         return None
     if user and _GOAL.search(sentence, low):
         return "goal"
-    if _DECISION.search(sentence, low) and (user or _MADE.search(sentence, low)):
+    if _DECISION.search(sentence, low) and (user or joint or _MADE.search(sentence, low)):
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
@@ -824,9 +852,9 @@ def is_component(item: Item) -> bool:
     return item.component is not None
 
 
-def _statements(found: Iterable[str], role: str) -> Iterator[tuple[str, Kind]]:
+def _statements(found: Iterable[str], role: str, joint: bool = False) -> Iterator[tuple[str, Kind]]:
     for sentence in found:
-        kind = classify(sentence, role)
+        kind = classify(sentence, role, joint=joint)
         if kind is not None:
             yield sentence, kind
 
@@ -843,12 +871,13 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
     for i, turn in enumerate(turns):
         if turn.role not in ("user", "assistant"):
             continue
-        said = sentences(turn.text)
-        if turn.role == "user" and len(turn.text) > PASTED_CHARS:
-            said = tuple(s for s in said if _VOICE.search(s))
-        statements = list(islice(_statements(said, turn.role), MAX_STATEMENTS))
-        # The user's own stack, with versions (an assistant's suggestion is not yet the project's).
-        named = list(islice((c for s in said for c in components(s)), MAX_COMPONENTS)) if turn.role == "user" else []
+        said = own_sentences(turn.role, turn.text)
+        joint = turn.role == "assistant" and i > 0 and agreed(turns[i - 1])
+        statements = list(islice(_statements(said, turn.role, joint), MAX_STATEMENTS))
+        # The user's own stack, with versions (an assistant's suggestion is not yet the project's), from
+        # every sentence: "Stack: Node.js v20.1.0, ..." in a long spec is the user's in any voice.
+        named = (list(islice((c for s in sentences(turn.text) for c in components(s)), MAX_COMPONENTS))
+                 if turn.role == "user" else [])
         if statements or named:
             found.append((start + i, turn.time or now, statements, named))
     if not found:

@@ -185,11 +185,13 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
                 opening = next((s for s in sentences if state.is_statement(s) or s.endswith("?")), "")
                 current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
             current.counts.update(_terms(text))
-        for sentence in state.sentences(text):
-            if state.classify(sentence, turn.role) == "decisions":
-                text = state.clip_words(sentence[state.decision_at(sentence):].rstrip(". "), DECISION_WORDS)
-                text = text.replace("; ", ", ").replace(" | ", ", ")
-                current.decisions = [*current.decisions, text][-DECISIONS:]
+        # As the state reads them: the same sentences, the same decisions.
+        joint = turn.role == "assistant" and i > 0 and state.agreed(turns[i - 1])
+        for sentence in state.own_sentences(turn.role, turn.text):
+            if state.classify(sentence, turn.role, joint=joint) == "decisions":
+                decided = state.clip_words(sentence[state.decision_at(sentence):].rstrip(". "), DECISION_WORDS)
+                decided = decided.replace("; ", ", ").replace(" | ", ", ")
+                current.decisions = [*current.decisions, decided][-DECISIONS:]
     for line in out:
         line.terms = [t.replace(", ", " ").replace("; ", " ") for t, _ in line.counts.most_common(TERMS)]
     return out

@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens budgeted per excerpt beyond its text (the gateway's: 20; default 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="list the probes with missed evidence")
     args = ap.parse_args(argv)
+    if args.header_tokens < 0:
+        ap.error("--header-tokens must be 0 or more")
     params = build_params(args.plain, args.overrides)
     res = run(args.data, args.budget, args.keep_recent, params, args.verbose, embeddings=args.embeddings,
               vectors=args.vectors, dense_top=args.dense_top, half=args.half, header_tokens=args.header_tokens)

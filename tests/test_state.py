@@ -554,6 +554,39 @@ def test_an_assistants_stack_sentence_is_not_the_projects_stack() -> None:
     assert [i.text for i in ledger.active("tech_stack")] == ["We're using Redis for caching and Express for the API."]
 
 
+def test_the_voice_rule_reads_prose_not_code_and_only_the_users() -> None:
+    """Past PASTED_CHARS of prose (fenced code aside), a user's sentence needs their voice or an
+    order's opening; rules around a pasted file stay rules; an assistant's long answer is not judged."""
+    code = "```python\n" + "def handler(request):\n    return process(request.body)\n" * 60 + "```\n"
+    rules = "Never add new dependencies. Always use type hints. The API must respond within 200 ms."
+    ledger = state.extract(state.Ledger(), [turn("user", f"Here is my handler. {code}{rules}")], 0)
+    assert len(ledger.active("constraints")) == 3
+    filler = "The committee reviews each application in the order it arrives. "
+    rule = "Applicants must file the form in person."
+    for prose, kept in ((filler * ((state.PASTED_CHARS - len(rule)) // len(filler)), 1),
+                        (filler * (state.PASTED_CHARS // len(filler) + 1), 0)):
+        text = prose + rule
+        ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
+        assert len(ledger.active("constraints")) == kept, len(text)
+        ledger = state.extract(state.Ledger(), [turn("user", text.replace(rule, "I’ve learned applicants must file the form in person."))], 0)
+        assert len(ledger.active("constraints")) == 1  # a curly apostrophe is a voice too
+    ledger = state.extract(state.Ledger(), [turn("assistant", filler * 40 + "We decided to use Redis 7.")], 0)
+    assert [i.text for i in ledger.active("decisions")] == ["We decided to use Redis 7."]
+
+
+def test_an_assistant_states_what_the_user_just_agreed_to() -> None:
+    """"OK, let's do that" then the assistant's "we'll use PostgreSQL 16": the two decided it, in the
+    state and the timeline alike. "A decision tree" decides nothing; a leading date stamp hides no label."""
+    said = [turn("assistant", "I'd suggest PostgreSQL 16 or MongoDB 7 for the orders service."),
+            turn("user", "Ok, let's do that. Postgres it is."),
+            turn("assistant", "Great, we'll use PostgreSQL 16 for the orders service.")]
+    ledger = state.extract(state.Ledger(), said, 0)
+    assert [i.text for i in ledger.active("decisions")] == ["Great, we'll use PostgreSQL 16 for the orders service."]
+    assert state.classify("Let's use a decision tree classifier for this example.", "assistant") is None
+    ledger = state.extract(state.Ledger(), [turn("user", "[2023/05/20 (Sat) 07:47] Decision: Redis 7.2 for sessions.")], 0)
+    assert [i.text for i in ledger.active("decisions")] == ["Decision: Redis 7.2 for sessions."]
+
+
 @pytest.mark.parametrize(("text", "kind"), [
     ("URL: https://www.budgetbytes.com/category/recipes/vegetarian/", None),
     ("Certificate: PG-13", None),

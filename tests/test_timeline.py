@@ -103,6 +103,24 @@ def test_a_leading_date_stamp_is_the_lines_date_not_its_topic() -> None:
     assert not {"2023/05/20", "Sat", "07:47", "07:52"} & set(line.terms)
 
 
+def test_the_timeline_decides_as_the_state_does() -> None:
+    """The same sentences count: a pasted ruling's "Decision: ..." is neither the state's nor the
+    timeline's; the assistant's "we'll use" after the user's assent is both."""
+    from gateway import state
+
+    ruling = ("Summarise this ruling for me. Decision: the petition is denied. "
+              + "The committee reviews each application in the order it arrives. " * 40)
+    agreed = [msg("assistant", "I'd suggest PostgreSQL 16 for the orders service.", "2024-03-02T10:00:00"),
+              msg("user", "Sounds good, let's do that.", "2024-03-02T10:01:00"),
+              msg("assistant", "We'll use PostgreSQL 16 for the orders service.", "2024-03-02T10:02:00")]
+    for turns, decided in (([msg("user", ruling, "2024-03-02T10:00:00")], []),
+                           (agreed, ["We'll use PostgreSQL 16 for the orders service"])):
+        (line,) = timeline.extend([], turns, 0)
+        assert line.decisions == decided
+        ledger = state.extract(state.Ledger(), turns, 0)
+        assert [i.text.rstrip(".") for i in ledger.active("decisions")] == decided
+
+
 def test_a_time_at_the_calendars_end_east_of_utc_does_not_break_a_fold(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stored 9999-12-31T12:00:00 (before X-Message-Time was bounded) read as local time on a host
     east of UTC overflowed, and every fold of the conversation failed: it is undated instead."""
