@@ -206,7 +206,8 @@ def is_change(new: str, old: str) -> bool:
         # "spaces over tabs": an order that says which comes first; "Express and Socket.io" is a list.
         return not _ORDERING.isdisjoint(a[pre:len(a) - suf])
     kept = pre + suf
-    if not (1 <= len(a) - kept <= 2 and 1 <= len(b) - kept <= 2 and kept >= 3 and kept >= 0.6 * max(len(a), len(b))):
+    if not (1 <= len(a) - kept <= 2 and 1 <= len(b) - kept <= 2
+            and kept >= 3 and kept >= 0.6 * max(len(a), len(b))):
         return False
     # "must never" for "must not" says the same; a turned negation is a reversal (is_reversal).
     return not {*a[pre:len(a) - suf], *b[pre:len(b) - suf]} <= _NEGATION | _REVERSAL_SLACK
@@ -493,16 +494,11 @@ _TODO = Pattern(r"\bTODO\b")
 # use X" / "let's use X" walks through its own answer ("Let's use the points (2, 3)", "we'll use a list
 # for demonstration purposes"): 165 of the 168 assistant decisions of both development sets were that.
 _MADE = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
-                r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}decision(?:\*\*)?\s*:",
-                caseless=True)
+                r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}"
+                r"decision(?:\*\*)?\s*:", caseless=True)
 # A short reply agreeing to what the assistant proposed: "OK, let's do that", "Postgres it is", "Yes please".
-_ASSENT = re.compile(r"\s*(?:ok(?:ay)?|yes|yep|yeah|sure|agreed|deal|perfect|great|sounds\s+good|let['’]s\s+do\s+(?:that|it)"
-                     r"|go\s+(?:with|for)\s+it)\b|.{0,60}\bit\s+is[.!]*\s*$", re.IGNORECASE)
-
-
-def agreed(turn: Message) -> bool:
-    """Whether `turn` is the user's short assent to a proposal."""
-    return turn.role == "user" and len(turn.text) <= 200 and _ASSENT.match(STAMP_RE.sub("", turn.text, count=1)) is not None
+_ASSENT = re.compile(r"\s*(?:ok(?:ay)?|yes|yep|yeah|sure|agreed|deal|perfect|great|sounds\s+good"
+                     r"|let['’]s\s+do\s+(?:that|it)|go\s+(?:with|for)\s+it)\b|.{0,60}\bit\s+is[.!]*\s*$", re.IGNORECASE)
 _STACK = Pattern(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
                  r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", caseless=True)
 _ARCH = Pattern(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
@@ -598,15 +594,15 @@ MAX_MESSAGE_CHARS = 131_072
 MAX_SENTENCE_CHARS = 16_384
 MAX_SENTENCES = 1_024
 MAX_STATEMENTS = 64
-# A user message this long is mostly material pasted in (a chapter, a contract, a log, a web page):
-# of its sentences, only those in the user's own voice state the user's project. In both development
-# sets' user messages over 2,000 characters, the others were 157 of 186 items on LongMemEval ("you
-# have to crawl before you walk", "petitioners must complete ...", "npm ERR! ...") and 1 of 13 on the
-# coding set (a `git clone` line).
+# A user message with this much prose (its code aside) is mostly material pasted in (a chapter, a
+# contract, a log, a web page): of its sentences, only those in the user's own voice state the user's
+# project. In both development sets' user messages over 2,000 characters, the others were 157 of 186
+# items on LongMemEval ("you have to crawl before you walk", "petitioners must complete ...", "npm
+# ERR! ...") and 1 of 13 on the coding set (a `git clone` line).
 PASTED_CHARS = 2_000
 # "I" upper-case only, and not a numeral ("Part I", "Form I-129"); "us" lower-case only ("US applicants").
-_VOICE = re.compile(r"(?<![\w'’ʼ-])(?:" + "".join(f"(?<!{w} )" for w in ("part", "chapter", "phase", "type", "war", "book",
-                                                                         "volume", "act", "article", "form"))
+_NUMERAL_BEFORE = ("part", "chapter", "phase", "type", "war", "book", "volume", "act", "article", "form")
+_VOICE = re.compile(r"(?<![\w'’ʼ-])(?:" + "".join(f"(?<!{w} )" for w in _NUMERAL_BEFORE)
                     + r"(?-i:I)(?:['’ʼ](?:m|ve|d|ll))?|me|my|we|we['’ʼ](?:re|ve|ll|d)|our|(?-i:us)|let['’ʼ]s|please)"
                     r"(?![\w'’ʼ-])", re.IGNORECASE)
 # An order opening its sentence is the user's whoever's words follow: "Never add new dependencies."
@@ -628,6 +624,12 @@ def own_sentences(role: str, text: str) -> tuple[str, ...]:
     if role == "user" and sum(map(len, said)) > PASTED_CHARS:
         return tuple(s for s in said if _VOICE.search(s) or _ORDER_OPENING.match(s))
     return said
+
+
+def agreed(turn: Message) -> bool:
+    """Whether `turn` is the user's short assent to a proposal."""
+    return (turn.role == "user" and len(turn.text) <= 200
+            and _ASSENT.match(STAMP_RE.sub("", turn.text, count=1)) is not None)
 
 
 def _untagged(sentence: str) -> str:

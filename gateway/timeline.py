@@ -176,8 +176,8 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
             last_seen = seconds
         if turn.role not in ("user", "assistant"):
             continue
-        # A leading "[2023/05/20 (Sat) 07:47]" is the line's own date: as terms it took the room of
-        # topics ("2023/05/21, Sun, 12:21"), and it opened every opening.
+        # A leading "[2023/05/20 (Sat) 07:47]" says when, as the line's dates do: as terms it took the
+        # room of topics ("2023/05/21, Sun, 12:21"), and it opened every opening.
         text = STAMP_RE.sub("", turn.text, count=1)
         if turn.role == "user":
             sentences = state.sentences(text)

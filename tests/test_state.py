@@ -568,7 +568,8 @@ def test_the_voice_rule_reads_prose_not_code_and_only_the_users() -> None:
         text = prose + rule
         ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
         assert len(ledger.active("constraints")) == kept, len(text)
-        ledger = state.extract(state.Ledger(), [turn("user", text.replace(rule, "I’ve learned applicants must file the form in person."))], 0)
+        voiced = text.replace(rule, "I’ve learned applicants must file the form in person.")
+        ledger = state.extract(state.Ledger(), [turn("user", voiced)], 0)
         assert len(ledger.active("constraints")) == 1  # a curly apostrophe is a voice too
     ledger = state.extract(state.Ledger(), [turn("assistant", filler * 40 + "We decided to use Redis 7.")], 0)
     assert [i.text for i in ledger.active("decisions")] == ["We decided to use Redis 7."]
@@ -583,7 +584,8 @@ def test_an_assistant_states_what_the_user_just_agreed_to() -> None:
     ledger = state.extract(state.Ledger(), said, 0)
     assert [i.text for i in ledger.active("decisions")] == ["Great, we'll use PostgreSQL 16 for the orders service."]
     assert state.classify("Let's use a decision tree classifier for this example.", "assistant") is None
-    ledger = state.extract(state.Ledger(), [turn("user", "[2023/05/20 (Sat) 07:47] Decision: Redis 7.2 for sessions.")], 0)
+    stamped = "[2023/05/20 (Sat) 07:47] Decision: Redis 7.2 for sessions."
+    ledger = state.extract(state.Ledger(), [turn("user", stamped)], 0)
     assert [i.text for i in ledger.active("decisions")] == ["Decision: Redis 7.2 for sessions."]
 
 
