@@ -176,41 +176,59 @@ def _negations(text: str) -> tuple[bool, frozenset[str]]:
 
 
 _CONDITION = frozenset(("when", "whenever", "if", "unless"))
+# Words that say a statement changes an earlier one ("Actually, I prefer light mode now").
+_CHANGED = frozenset(("now", "actually", "instead", "anymore", "switch", "switched", "switching", "changed",
+                      "updated", "henceforth"))
 _ORDERING = frozenset(("over", "than", "instead", "rather", "before", "after", "from", "to", "into", "vs", "versus"))
 
 
 @lru_cache(maxsize=4096)
 def _sequence(text: str) -> tuple[str, ...]:
-    return tuple(_WORD.findall(text.lower()))
+    return tuple(w for w in _WORD.findall(text.lower()) if w not in _CHANGED)
 
 
-def is_change(new: str, old: str) -> bool:
-    """The same statement with one choice changed: "I prefer light mode in every editor" after "I
-    prefer dark mode in every editor", "We must deploy on Mondays" after "... on Fridays", "I prefer
-    spaces over tabs" after "tabs over spaces". The newer one replaces it. One or two words in one
-    place differ, and what is around them (at least three words, most of the statement) is the same;
-    or the same words come in another order. Two changes apart ("camelCase for variable names" /
-    "snake_case for function names") are two statements."""
+def _slot(new: str, old: str) -> int | None:
+    """Where `new` changes one choice of `old` (see is_change): the words before the change, or None."""
     a, b = _sequence(new), _sequence(old)
     if a == b or _values(new) != _values(old):
-        return False  # a changed number or path is an update, a changed identifier another statement
+        return None  # a changed number or path is an update, a changed identifier another statement
     pre = 0
     while pre < min(len(a), len(b)) and a[pre] == b[pre]:
         pre += 1
     suf = 0
     while suf < min(len(a), len(b)) - pre and a[-1 - suf] == b[-1 - suf]:
         suf += 1
-    if not _CONDITION.isdisjoint(a[:pre]):
-        return False  # "... when I ask about X" / "... about Y": the same order for another case
     if len(a) == len(b) >= 3 and sorted(a) == sorted(b):
         # "spaces over tabs": an order that says which comes first; "Express and Socket.io" is a list.
-        return not _ORDERING.isdisjoint(a[pre:len(a) - suf])
+        return pre if not _ORDERING.isdisjoint(a[pre:len(a) - suf]) else None
     kept = pre + suf
     if not (1 <= len(a) - kept <= 2 and 1 <= len(b) - kept <= 2
             and kept >= 3 and kept >= 0.6 * max(len(a), len(b))):
-        return False
+        return None
     # "must never" for "must not" says the same; a turned negation is a reversal (is_reversal).
-    return not {*a[pre:len(a) - suf], *b[pre:len(b) - suf]} <= _NEGATION | _REVERSAL_SLACK
+    return None if {*a[pre:len(a) - suf], *b[pre:len(b) - suf]} <= _NEGATION | _REVERSAL_SLACK else pre
+
+
+def is_change(new: str, old: str) -> bool:
+    """The same statement with one choice changed, or a second choice beside it: "I prefer light mode
+    in every editor" after "I prefer dark mode in every editor", "We must deploy on Mondays" after "...
+    on Fridays", "I prefer spaces over tabs" after "tabs over spaces", but also "We chose to store
+    backup settings in environment variables" after "... API keys settings ...". Never a duplicate;
+    it replaces the old one only when it says it changes it (`changes`). One or two words in one
+    place differ, and what is around them (at least three words, most of the statement) is the same;
+    or the same words come in another order. Two changes apart ("camelCase for variable names" /
+    "snake_case for function names") are two statements."""
+    return _slot(new, old) is not None
+
+
+def changes(new: str, old: str) -> bool:
+    """`new` is a changed choice (is_change) that says so: "Actually, I prefer light mode in every
+    editor now" replaces "I prefer dark mode in every editor". Without such a word the two stand, the
+    newer first: which is the change and which a second choice is not in the words. Nor when the
+    change is in a condition: "... when I ask about upgrades" / "... about integrations" are two orders."""
+    pre = _slot(new, old)
+    return (pre is not None and _CONDITION.isdisjoint(_sequence(new)[:pre])
+            and not (_words(new) & _CHANGED) <= _words(old))
 
 
 def is_duplicate(new: str, old: str) -> bool:
@@ -293,7 +311,7 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
     if replaces:
         targets += [i for _, i in ledger.all_items() if i.id == replaces and i.superseded_by is None]
     targets += [old for old in existing
-                if is_update(text, old.text) or is_reversal(text, old.text) or is_change(text, old.text)]
+                if is_update(text, old.text) or is_reversal(text, old.text) or changes(text, old.text)]
     if kind == "goal":
         targets += existing
     merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]

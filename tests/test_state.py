@@ -331,32 +331,32 @@ def test_only_a_statement_turned_by_its_negation_alone_replaces_it(first: str, s
     assert len(items) == active and items[0].text == first and not any(i.was for i in items)
 
 
-@pytest.mark.parametrize(("first", "second", "changed"), [
-    ("I prefer dark mode in every editor.", "I prefer light mode in every editor.", True),
-    ("Always use two spaces for indentation.", "Always use four spaces for indentation.", True),
-    ("We must deploy on Fridays.", "We must deploy on Mondays.", True),
-    ("I prefer tabs over spaces.", "I prefer spaces over tabs.", True),
-    # A list in another order says the same: one item, no history.
-    ("We're using Redis and Kafka for the event pipeline.", "We're using Kafka and Redis for the event pipeline.",
-     False),
+@pytest.mark.parametrize(("first", "second", "replaced"), [
+    ("I prefer dark mode in every editor.", "Actually, I prefer light mode in every editor now.", True),
+    ("Always use two spaces for indentation.", "Always use four spaces for indentation instead.", True),
+    ("We must deploy on Fridays.", "We must deploy on Mondays now.", True),
+    ("I prefer tabs over spaces.", "I now prefer spaces over tabs.", True),
+    # Saying no change, a changed choice and a second one look alike: both stand, the newer first.
+    ("I prefer dark mode in every editor.", "I prefer light mode in every editor.", False),
+    ("We chose to store API keys settings in environment variables.",
+     "We chose to store backup settings in environment variables.", False),
     # Two changes apart, or the same order for another case: two statements.
-    ("Always use camelCase for variable names.", "Always use snake_case for function names.", False),
+    ("Always use camelCase for variable names.", "Always use snake_case for function names now.", False),
     ("Always include exact version numbers when I ask about upgrades.",
      "Always include exact version numbers when I ask about integrations.", False),
 ])
-def test_a_changed_choice_replaces_the_statement_it_changes(first: str, second: str, changed: bool) -> None:
-    """"I prefer light mode" after "I prefer dark mode" is the preference now, with the old one as its
-    history. It was taken for a duplicate of the old one and dropped: the state kept the stale choice."""
+def test_a_changed_choice_is_never_dropped_and_replaces_when_it_says_so(first: str, second: str,
+                                                                         replaced: bool) -> None:
+    """"I prefer light mode" after "I prefer dark mode" was taken for a duplicate and dropped: the
+    state kept the stale choice. It now stands beside it, and replaces it (kept as history) when it
+    says it changes it ("actually", "now", "instead")."""
     ledger = state.Ledger()
     kind = state.classify(first, "user")
     assert kind is not None
     for source, text in enumerate((first, second)):
         state.add_item(ledger, kind, text, source=source, time=None)
     active = [(i.text, i.was) for i in ledger.active(kind)]
-    if changed:
-        assert active == [(second, [first])]
-    else:
-        assert [text for text, was in active if was] == [] and first in [text for text, _ in active]
+    assert active == ([(second, [first])] if replaced else [(first, []), (second, [])])
 
 
 @pytest.mark.parametrize(("first", "second"), [
