@@ -241,7 +241,7 @@ _META = frozenset(
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _stem(word: str) -> str:
+def stem(word: str) -> str:
     """Light suffix stripping (plurals, -ing, -ed, final e, doubled consonant) applied alike to text and
     query, so collect/collecting, complete/completed, take/taking, add/added meet."""
     w = word
@@ -272,7 +272,7 @@ def _words(text: str, p: RankingParams, *, query: bool = False) -> list[str]:
     if query and p.meta_stop:
         words = [w for w in words if w not in _META]
     if p.stem:
-        return [_stem(w) for w in words]
+        return [stem(w) for w in words]
     return [sys.intern(w) for w in words]
 
 

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.model import Message
-from gateway.retrieval import STAMP_RE
+from gateway.retrieval import STAMP_RE, stem
 
 Kind = Literal["goal", "architecture", "tech_stack", "decisions", "constraints", "preferences",
                "open_tasks", "facts"]
@@ -177,8 +177,14 @@ def _negations(text: str) -> tuple[bool, frozenset[str]]:
 
 _CONDITION = frozenset(("when", "whenever", "if", "unless"))
 # Words that say a statement changes an earlier one ("Actually, I prefer light mode now").
-_CHANGED = frozenset(("now", "actually", "instead", "anymore", "switch", "switched", "switching", "changed",
-                      "updated", "henceforth"))
+# Words that may sit in a changed statement ("I prefer light mode now") and are left out when two
+# statements are aligned; only the strong ones say it changes the other (_CHANGES): "now" alone
+# also means "at this point" ("We must now support Firefox" adds a browser).
+_CHANGED = frozenset(("now", "actually", "instead", "anymore"))
+_CHANGES = re.compile(r"\b(?:actually|instead|anymore|no\s+longer|switch(?:ed|ing)?\s+to|changed\s+(?:my\s+mind|to)"
+                      r"|from\s+now\s+on)\b", re.IGNORECASE)
+# One word for another that says the same ("every editor" / "each editor").
+_SAME_WORD = {"each": "every", "all": "every"}
 _ORDERING = frozenset(("over", "than", "instead", "rather", "before", "after", "from", "to", "into", "vs", "versus"))
 
 
@@ -187,9 +193,17 @@ def _sequence(text: str) -> tuple[str, ...]:
     return tuple(w for w in _WORD.findall(text.lower()) if w not in _CHANGED)
 
 
+@lru_cache(maxsize=4096)
+def _aligned(text: str) -> tuple[str, ...]:
+    """Its words as two statements are compared: stemmed ("Fridays" is "Friday"), "each" is "every"."""
+    return tuple(stem(_SAME_WORD.get(w, w)) for w in _sequence(text))
+
+
+@lru_cache(maxsize=4096)
 def _slot(new: str, old: str) -> int | None:
-    """Where `new` changes one choice of `old` (see is_change): the words before the change, or None."""
-    a, b = _sequence(new), _sequence(old)
+    """Where `new` changes one choice of `old` (see is_change): the words before the change, or None.
+    Cached: add_item asks it of each active item of the kind, twice (is_duplicate, changes)."""
+    a, b = _aligned(new), _aligned(old)
     if a == b or _values(new) != _values(old):
         return None  # a changed number or path is an update, a changed identifier another statement
     pre = 0
@@ -198,7 +212,7 @@ def _slot(new: str, old: str) -> int | None:
     suf = 0
     while suf < min(len(a), len(b)) - pre and a[-1 - suf] == b[-1 - suf]:
         suf += 1
-    if len(a) == len(b) >= 3 and sorted(a) == sorted(b):
+    if len(a) == len(b) >= 3 and set(a) == set(b) and sorted(a) == sorted(b):
         # "spaces over tabs": an order that says which comes first; "Express and Socket.io" is a list.
         return pre if not _ORDERING.isdisjoint(a[pre:len(a) - suf]) else None
     kept = pre + suf
@@ -223,12 +237,12 @@ def is_change(new: str, old: str) -> bool:
 
 def changes(new: str, old: str) -> bool:
     """`new` is a changed choice (is_change) that says so: "Actually, I prefer light mode in every
-    editor now" replaces "I prefer dark mode in every editor". Without such a word the two stand, the
+    editor" replaces "I prefer dark mode in every editor". Without such words the two stand, the
     newer first: which is the change and which a second choice is not in the words. Nor when the
     change is in a condition: "... when I ask about upgrades" / "... about integrations" are two orders."""
     pre = _slot(new, old)
-    return (pre is not None and _CONDITION.isdisjoint(_sequence(new)[:pre])
-            and not (_words(new) & _CHANGED) <= _words(old))
+    return (pre is not None and _CONDITION.isdisjoint(_aligned(new)[:pre])
+            and _CHANGES.search(new) is not None and _CHANGES.search(old) is None)
 
 
 def is_duplicate(new: str, old: str) -> bool:
@@ -236,6 +250,8 @@ def is_duplicate(new: str, old: str) -> bool:
     the old one lacks, not its reversal ("must use" after "must not use") nor a changed choice."""
     if not _values(new) <= _values(old) or _negations(new) != _negations(old) or is_change(new, old):
         return False
+    if _aligned(new) == _aligned(old):
+        return True  # "on Fridays" for "on Friday", "each editor" for "every editor"
     if _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9):
         return True
     content = _content(new)
@@ -310,8 +326,10 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
     targets: list[Item] = []
     if replaces:
         targets += [i for _, i in ledger.all_items() if i.id == replaces and i.superseded_by is None]
-    targets += [old for old in existing
-                if is_update(text, old.text) or is_reversal(text, old.text) or changes(text, old.text)]
+    targets += [old for old in existing if is_update(text, old.text) or is_reversal(text, old.text)]
+    changed = [old for old in existing if old not in targets and changes(text, old.text)]
+    if len(changed) == 1:  # "Actually, Safari instead" after Chrome and Firefox: which one it replaces is unsaid
+        targets += changed
     if kind == "goal":
         targets += existing
     merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]
@@ -330,10 +348,11 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
 
 
 def record_replaced(item: Item, old: Item) -> None:
-    """`item` replaces `old` (of the same kind): it keeps old's text, and what old had replaced."""
+    """`item` replaces `old` (of the same kind): it keeps old's text, and what old had replaced, after
+    what it already keeps (it may replace several: "no longer X or Y")."""
     if old.text in item.was:
         return
-    item.was = [clip_words(old.text, WAS_WORDS), *old.was][:MAX_WAS]
+    item.was = list(dict.fromkeys([*item.was, clip_words(old.text, WAS_WORDS), *old.was]))[:MAX_WAS]
 
 
 def supersede_mentions(ledger: Ledger, term: str, by: str) -> None:
@@ -490,7 +509,9 @@ _NOT_RULE = re.compile(r"\bcan(?:['’]t|not)\s+(?:wait|believe|help|thank|imagi
                        r"|amazing|awesome|wonderful|exciting|difficult))", re.IGNORECASE)
 # An error message quoted without quotes ("TypeError: Cannot assign to ...") states what failed.
 _ERROR_TEXT = re.compile(r"\w{0,40}(?:error|exception)\s*:|\berr!|\btraceback\b", re.IGNORECASE)
-_PREFERENCE = Pattern(r"\bi\s+(?:prefer|like|want|dislike|hate|don't\s+like)\b|\bi(?:'d| would)\s+(?:like|rather)\b"
+_PREFERENCE = Pattern(r"\bi\s+(?:(?:now|actually|really|still|also)\s+)?(?:prefer|like|want|dislike|hate"
+                      r"|don't\s+like)\b"
+                      r"|\bi(?:'d| would)\s+(?:like|rather)\b"
                       r"|\bplease\s+(?:always|never|keep|use|avoid)\b|\bmy\s+preference\s+(?:is|would\s+be)\b"
                       r"|\bi(?:['’]ve|\s+have)?\s+(?:set|stated|expressed|have)\s+a\s+preference\s+for\b",
                       caseless=True)
@@ -514,9 +535,14 @@ _TODO = Pattern(r"\bTODO\b")
 _MADE = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
                 r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}"
                 r"decision(?:\*\*)?\s*:", caseless=True)
-# A short reply agreeing to what the assistant proposed: "OK, let's do that", "Postgres it is", "Yes please".
-_ASSENT = re.compile(r"\s*(?:ok(?:ay)?|yes|yep|yeah|sure|agreed|deal|perfect|great|sounds\s+good"
-                     r"|let['’]s\s+do\s+(?:that|it)|go\s+(?:with|for)\s+it)\b|.{0,60}\bit\s+is[.!]*\s*$", re.IGNORECASE)
+# A reply that only agrees to what the assistant proposed: "OK, let's do that", "Sounds good, go with
+# it.", "Postgres it is". The whole reply: "OK, that didn't work", "Great, another error", "Sure, but
+# what about performance?" and "ok thanks" agree to nothing.
+_ASSENT_WORDS = (r"(?:ok(?:ay)?|yes|yep|yeah|sure|agreed|deal|perfect|sounds\s+(?:good|great)|that\s+works"
+                 r"|let['’]s\s+(?:do|go\s+with)\s+(?:that|it|this)|go\s+(?:with|for)\s+it|do\s+it)")
+_CHOSEN = r"(?!.*\b(?:not|n['’]t|what|no)\b)[\w .+#/-]{1,40}?\s+it\s+is"  # "Postgres it is"
+_ASSENT = re.compile(rf"\s*(?:{_ASSENT_WORDS}(?:[\s,.!]+(?:{_ASSENT_WORDS}|please))*(?:[\s,.!]+{_CHOSEN})?|{_CHOSEN})"
+                     r"[\s.!]*", re.IGNORECASE)
 _STACK = Pattern(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
                  r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", caseless=True)
 _ARCH = Pattern(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
@@ -534,7 +560,7 @@ _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)
                       needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
 # A fact says something of its value: "2.0.85", "Source: https://...", "Certificate: PG-13" alone
 # (pasted references, a log's stamp) are not one. Words of letters only, outside any URL or path.
-_PROSE_WORD = re.compile(r"(?<![\w/.:-])[A-Za-z]+(?:['’][a-z]+)?(?![\w/.:-])")
+_PROSE_WORD = re.compile(r"(?<![\w/.:-])[A-Za-z]+(?:['’][a-z]+)?(?![\w/.-]|:\S)")
 # A named component at a version ("Node.js v18.15.0", "React Hook Form version 7.43.9", "pandas 2.0.3"):
 # the tech stack with its versions, from what the user states. A capitalised name may run to three
 # words; a lower-case one needs a "v" or a full x.y.z (prose says "about 2.5 seconds"). Linear: a
@@ -618,10 +644,13 @@ MAX_STATEMENTS = 64
 # items on LongMemEval ("you have to crawl before you walk", "petitioners must complete ...", "npm
 # ERR! ...") and 1 of 13 on the coding set (a `git clone` line).
 PASTED_CHARS = 2_000
-# "I" upper-case only, and not a numeral ("Part I", "Form I-129"); "us" lower-case only ("US applicants").
-_NUMERAL_BEFORE = ("part", "chapter", "phase", "type", "war", "book", "volume", "act", "article", "form")
+# "I" not as a numeral ("Part I", "Form I-129"), lower-case before a word ("i prefer", not "i.e."); "us"
+# lower-case only ("US applicants").
+_NUMERAL_BEFORE = ("part", "chapter", "phase", "type", "war", "book", "volume", "act", "article", "form", "stage",
+                   "title", "class", "level", "grade", "tier", "section")
 _VOICE = re.compile(r"(?<![\w'’ʼ-])(?:" + "".join(f"(?<!{w} )" for w in _NUMERAL_BEFORE)
-                    + r"(?-i:I)(?:['’ʼ](?:m|ve|d|ll))?|me|my|we|we['’ʼ](?:re|ve|ll|d)|our|(?-i:us)|let['’ʼ]s|please)"
+                    + r"(?-i:I)(?:['’ʼ](?:m|ve|d|ll))?|(?-i:i)(?:['’ʼ](?:m|ve|d|ll)|(?=\s+[a-z]))|me|my|we"
+                    r"|we['’ʼ](?:re|ve|ll|d)|our|(?-i:us)|let['’ʼ]s|please)"
                     r"(?![\w'’ʼ-])", re.IGNORECASE)
 # An order opening its sentence is the user's whoever's words follow: "Never add new dependencies."
 _ORDER_OPENING = re.compile(r"[\W_]{0,3}(?:always|never|don['’]t|do\s+not|make\s+sure|avoid)\b", re.IGNORECASE)
@@ -647,7 +676,7 @@ def own_sentences(role: str, text: str) -> tuple[str, ...]:
 def agreed(turn: Message) -> bool:
     """Whether `turn` is the user's short assent to a proposal."""
     return (turn.role == "user" and len(turn.text) <= 200
-            and _ASSENT.match(STAMP_RE.sub("", turn.text, count=1)) is not None)
+            and _ASSENT.fullmatch(STAMP_RE.sub("", turn.text, count=1)) is not None)
 
 
 def _untagged(sentence: str) -> str:
@@ -751,7 +780,7 @@ def classify(sentence: str, role: str, *, joint: bool = False) -> Kind | None:
     `joint`: an assistant's message answering the user's assent ("OK, let's do that"), whose "we'll
     use X" states what the two agreed."""
     user = role == "user"
-    sentence = sentence.replace("’", "'")  # the patterns spell contractions with "'"
+    sentence = sentence.replace("’", "'").replace("ʼ", "'")  # the patterns spell contractions with "'"
     low = ascii_lower(sentence)
     if _NOT_STATE.search(sentence, low):
         return None
@@ -877,6 +906,8 @@ def _statements(found: Iterable[str], role: str, joint: bool = False) -> Iterato
         kind = classify(sentence, role, joint=joint)
         if kind is not None:
             yield sentence, kind
+            # What the user agreed to is the reply's first decision; the rest walks through it.
+            joint = joint and kind != "decisions"
 
 
 def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | None = None) -> Ledger:

@@ -334,8 +334,10 @@ def test_only_a_statement_turned_by_its_negation_alone_replaces_it(first: str, s
 @pytest.mark.parametrize(("first", "second", "replaced"), [
     ("I prefer dark mode in every editor.", "Actually, I prefer light mode in every editor now.", True),
     ("Always use two spaces for indentation.", "Always use four spaces for indentation instead.", True),
-    ("We must deploy on Fridays.", "We must deploy on Mondays now.", True),
-    ("I prefer tabs over spaces.", "I now prefer spaces over tabs.", True),
+    ("We must deploy on Fridays.", "Actually, we must deploy on Mondays.", True),
+    ("I prefer tabs over spaces.", "I actually prefer spaces over tabs.", True),
+    # "now" alone also means "at this point": a second browser, not a change of browser.
+    ("We must support Chrome.", "We must now support Firefox.", False),
     # Saying no change, a changed choice and a second one look alike: both stand, the newer first.
     ("I prefer dark mode in every editor.", "I prefer light mode in every editor.", False),
     ("We chose to store API keys settings in environment variables.",
@@ -349,7 +351,7 @@ def test_a_changed_choice_is_never_dropped_and_replaces_when_it_says_so(first: s
                                                                          replaced: bool) -> None:
     """"I prefer light mode" after "I prefer dark mode" was taken for a duplicate and dropped: the
     state kept the stale choice. It now stands beside it, and replaces it (kept as history) when it
-    says it changes it ("actually", "now", "instead")."""
+    says it changes it ("actually", "instead", "anymore", "no longer", "switched to")."""
     ledger = state.Ledger()
     kind = state.classify(first, "user")
     assert kind is not None
@@ -357,6 +359,30 @@ def test_a_changed_choice_is_never_dropped_and_replaces_when_it_says_so(first: s
         state.add_item(ledger, kind, text, source=source, time=None)
     active = [(i.text, i.was) for i in ledger.active(kind)]
     assert active == ([(second, [first])] if replaced else [(first, []), (second, [])])
+
+
+def test_a_change_that_could_replace_several_replaces_none_and_rewordings_stay_one() -> None:
+    """"Actually, we must support Safari instead" after Chrome and Firefox: which one goes is unsaid,
+    so all three stand. "Fridays" for "Friday", "each" for "every" are the same statement."""
+    ledger = state.Ledger()
+    for source, text in enumerate(("We must support Chrome.", "We must support Firefox.",
+                                   "Actually, we must support Safari instead.")):
+        state.add_item(ledger, "constraints", text, source=source, time=None)
+    assert len(ledger.active("constraints")) == 3
+    for first, second in (("We must deploy on Friday.", "We must deploy on Fridays."),
+                          ("I prefer dark mode in every editor.", "I prefer dark mode in each editor.")):
+        ledger = state.Ledger()
+        for source, text in enumerate((first, second)):
+            state.add_item(ledger, "constraints", text, source=source, time=None)
+        assert [i.text for i in ledger.active("constraints")] == [first]
+
+
+def test_a_change_is_read_from_the_users_words_through_extraction() -> None:
+    """"I actually prefer ..." is a preference (an adverb after "I" hid it), and replaces the old one."""
+    ledger = state.extract(state.Ledger(), [turn("user", "I prefer dark mode in every editor.")], 0)
+    ledger = state.extract(ledger, [turn("user", "I actually prefer light mode in every editor.")], 1)
+    assert [(i.text, i.was) for i in ledger.active("preferences")] == [
+        ("I actually prefer light mode in every editor.", ["I prefer dark mode in every editor."])]
 
 
 @pytest.mark.parametrize(("first", "second"), [
@@ -584,6 +610,13 @@ def test_an_assistant_states_what_the_user_just_agreed_to() -> None:
     ledger = state.extract(state.Ledger(), said, 0)
     assert [i.text for i in ledger.active("decisions")] == ["Great, we'll use PostgreSQL 16 for the orders service."]
     assert state.classify("Let's use a decision tree classifier for this example.", "assistant") is None
+    # Only the reply's first decision, and only after a reply that agrees and says nothing else.
+    walkthrough = turn("assistant", "We'll use a list for the queue. We'll use the points (2, 3) to test it.")
+    for reply in ("ok thanks", "OK, that didn't work.", "Sure, but what about performance?", "Great, another error.",
+                  "I don't think it is."):
+        assert not state.extract(state.Ledger(), [turn("user", reply), walkthrough], 0).active("decisions"), reply
+    agreed = state.extract(state.Ledger(), [turn("user", "Sounds good, let's do that."), walkthrough], 0)
+    assert [i.text for i in agreed.active("decisions")] == ["We'll use a list for the queue."]
     stamped = "[2023/05/20 (Sat) 07:47] Decision: Redis 7.2 for sessions."
     ledger = state.extract(state.Ledger(), [turn("user", stamped)], 0)
     assert [i.text for i in ledger.active("decisions")] == ["Decision: Redis 7.2 for sessions."]
@@ -594,6 +627,7 @@ def test_an_assistant_states_what_the_user_just_agreed_to() -> None:
     ("Certificate: PG-13", None),
     ("2023-01-14 18:59:13", None),
     ("Deadline is 2024-03-01.", "facts"),
+    ("Release date: 2024-06-01.", "facts"),
     ("Here's the link to my pitch deck: https://drive.example.com/file/d/1Qw.", "facts"),
 ])
 def test_a_fact_says_something_of_its_value(text: str, kind: str | None) -> None:
