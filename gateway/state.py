@@ -176,7 +176,6 @@ def _negations(text: str) -> tuple[bool, frozenset[str]]:
 
 
 _CONDITION = frozenset(("when", "whenever", "if", "unless"))
-# Words that say a statement changes an earlier one ("Actually, I prefer light mode now").
 # Words that may sit in a changed statement ("I prefer light mode now") and are left out when two
 # statements are aligned; only the strong ones say it changes the other (_CHANGES): "now" alone
 # also means "at this point" ("We must now support Firefox" adds a browser).

@@ -189,6 +189,7 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
         joint = turn.role == "assistant" and i > 0 and state.agreed(turns[i - 1])
         for sentence in state.own_sentences(turn.role, turn.text):
             if state.classify(sentence, turn.role, joint=joint) == "decisions":
+                joint = False  # the reply's first decision is what the user agreed to
                 decided = state.clip_words(sentence[state.decision_at(sentence):].rstrip(". "), DECISION_WORDS)
                 decided = decided.replace("; ", ", ").replace(" | ", ", ")
                 current.decisions = [*current.decisions, decided][-DECISIONS:]

@@ -112,7 +112,8 @@ def test_the_timeline_decides_as_the_state_does() -> None:
               + "The committee reviews each application in the order it arrives. " * 40)
     agreed = [msg("assistant", "I'd suggest PostgreSQL 16 for the orders service.", "2024-03-02T10:00:00"),
               msg("user", "Sounds good, let's do that.", "2024-03-02T10:01:00"),
-              msg("assistant", "We'll use PostgreSQL 16 for the orders service.", "2024-03-02T10:02:00")]
+              msg("assistant", "We'll use PostgreSQL 16 for the orders service. We'll use a dict to show it.",
+                  "2024-03-02T10:02:00")]
     for turns, decided in (([msg("user", ruling, "2024-03-02T10:00:00")], []),
                            (agreed, ["We'll use PostgreSQL 16 for the orders service"])):
         (line,) = timeline.extend([], turns, 0)
