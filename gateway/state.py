@@ -189,7 +189,11 @@ _ORDERING = frozenset(("over", "than", "instead", "rather", "before", "after", "
 
 @lru_cache(maxsize=4096)
 def _sequence(text: str) -> tuple[str, ...]:
-    return tuple(w for w in _WORD.findall(text.lower()) if w not in _CHANGED)
+    return tuple(w for w in _WORD.findall(_CHANGES.sub(" ", text).lower()) if w not in _CHANGED)
+
+
+def _markers(text: str) -> frozenset[str]:
+    return frozenset(" ".join(m.lower().split()) for m in _CHANGES.findall(text))
 
 
 @lru_cache(maxsize=4096)
@@ -202,7 +206,7 @@ def _aligned(text: str) -> tuple[str, ...]:
 def _slot(new: str, old: str) -> int | None:
     """Where `new` changes one choice of `old` (see is_change): the words before the change, or None.
     Cached: add_item asks it of each active item of the kind, twice (is_duplicate, changes)."""
-    a, b = _aligned(new), _aligned(old)
+    a, b = _sequence(new), _sequence(old)
     if a == b or _values(new) != _values(old):
         return None  # a changed number or path is an update, a changed identifier another statement
     pre = 0
@@ -240,17 +244,19 @@ def changes(new: str, old: str) -> bool:
     newer first: which is the change and which a second choice is not in the words. Nor when the
     change is in a condition: "... when I ask about upgrades" / "... about integrations" are two orders."""
     pre = _slot(new, old)
-    return (pre is not None and _CONDITION.isdisjoint(_aligned(new)[:pre])
-            and _CHANGES.search(new) is not None and _CHANGES.search(old) is None)
+    return (pre is not None and _CONDITION.isdisjoint(_sequence(new)[:pre])
+            and not _markers(new) <= _markers(old))
 
 
 def is_duplicate(new: str, old: str) -> bool:
     """Same statement: similar words (or all of new's words in old, its framing words aside), no value
     the old one lacks, not its reversal ("must use" after "must not use") nor a changed choice."""
-    if not _values(new) <= _values(old) or _negations(new) != _negations(old) or is_change(new, old):
+    if not _values(new) <= _values(old) or _negations(new) != _negations(old):
         return False
-    if _aligned(new) == _aligned(old):
-        return True  # "on Fridays" for "on Friday", "each editor" for "every editor"
+    if _aligned(new) == _aligned(old) and _markers(new) <= _markers(old):
+        return True  # "on Fridays" for "on Friday", "each editor" for "every editor", unless it corrects
+    if is_change(new, old):
+        return False
     if _similar(new, old, 0.75) or (len(_words(new)) >= 4 and _contained(new, old) >= 0.9):
         return True
     content = _content(new)
@@ -347,11 +353,12 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
 
 
 def record_replaced(item: Item, old: Item) -> None:
-    """`item` replaces `old` (of the same kind): it keeps old's text, and what old had replaced, after
-    what it already keeps (it may replace several: "no longer X or Y")."""
+    """`item` replaces `old` (of the same kind): it keeps old's text, and what old had replaced, newest
+    first (it may replace several: "switched from Flask" over three Flask items)."""
     if old.text in item.was:
         return
-    item.was = list(dict.fromkeys([*item.was, clip_words(old.text, WAS_WORDS), *old.was]))[:MAX_WAS]
+    # Callers go through what it replaces oldest first: each goes ahead of those before it.
+    item.was = list(dict.fromkeys([clip_words(old.text, WAS_WORDS), *old.was, *item.was]))[:MAX_WAS]
 
 
 def supersede_mentions(ledger: Ledger, term: str, by: str) -> None:
@@ -537,10 +544,15 @@ _MADE = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+
 # A reply that only agrees to what the assistant proposed: "OK, let's do that", "Sounds good, go with
 # it.", "Postgres it is". The whole reply: "OK, that didn't work", "Great, another error", "Sure, but
 # what about performance?" and "ok thanks" agree to nothing.
-_ASSENT_WORDS = (r"(?:ok(?:ay)?|yes|yep|yeah|sure|agreed|deal|perfect|sounds\s+(?:good|great)|that\s+works"
-                 r"|let['’]s\s+(?:do|go\s+with)\s+(?:that|it|this)|go\s+(?:with|for)\s+it|do\s+it)")
-_CHOSEN = r"(?!.*\b(?:not|n['’]t|what|no)\b)[\w .+#/-]{1,40}?\s+it\s+is"  # "Postgres it is"
-_ASSENT = re.compile(rf"\s*(?:{_ASSENT_WORDS}(?:[\s,.!]+(?:{_ASSENT_WORDS}|please))*(?:[\s,.!]+{_CHOSEN})?|{_CHOSEN})"
+_ASSENT_WORDS = (r"(?:ok(?:ay)?|yes|yep|yeah|sure(?:\s+thing)?|agreed|deal|perfect|sounds\s+(?:good|great)"
+                 r"|that\s+works|go\s+ahead|let['’]s\s+(?:do|go\s+with)\s+(?:that|it|this)|go\s+(?:with|for)\s+it"
+                 r"|do\s+it|(?:great|fine|good)(?=[\s,.!]+(?:ok|yes|sure|let|go|do|that|sounds)))")
+# "Postgres it is", "Redis 7 it is": one to three words naming the choice, none of them a doubt.
+_CHOSEN = (r"(?!(?:\S+\s+){0,3}it\s+is\b.*\b(?:not|n['’]t)\b)"
+           r"(?!.*\b(?:not|n['’]t|what|whatever|no|i|think|guess|still|error|broken|bad|bug)\b)"
+           r"(?:[\w+#/-]+\s+){1,3}it\s+is")
+_ASSENT = re.compile(rf"\s*(?:{_ASSENT_WORDS}(?:[\s,.!]+(?:{_ASSENT_WORDS}|please))*(?:[\s,.!]+{_CHOSEN})?"
+                     rf"|(?:(?:great|fine|good|alright)[\s,.!]+)?{_CHOSEN})"
                      r"[\s.!]*", re.IGNORECASE)
 _STACK = Pattern(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
                  r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", caseless=True)
@@ -643,13 +655,14 @@ MAX_STATEMENTS = 64
 # items on LongMemEval ("you have to crawl before you walk", "petitioners must complete ...", "npm
 # ERR! ...") and 1 of 13 on the coding set (a `git clone` line).
 PASTED_CHARS = 2_000
-# "I" not as a numeral ("Part I", "Form I-129"), lower-case before a word ("i prefer", not "i.e."); "us"
-# lower-case only ("US applicants").
+# "I" not as a numeral ("Part I", "Form I-129"); lower-case before a verb ("i prefer", not "for i in"
+# nor "i.e."); "us" lower-case only ("US applicants").
 _NUMERAL_BEFORE = ("part", "chapter", "phase", "type", "war", "book", "volume", "act", "article", "form", "stage",
                    "title", "class", "level", "grade", "tier", "section")
 _VOICE = re.compile(r"(?<![\w'’ʼ-])(?:" + "".join(f"(?<!{w} )" for w in _NUMERAL_BEFORE)
-                    + r"(?-i:I)(?:['’ʼ](?:m|ve|d|ll))?|(?-i:i)(?:['’ʼ](?:m|ve|d|ll)|(?=\s+[a-z]))|me|my|we"
-                    r"|we['’ʼ](?:re|ve|ll|d)|our|(?-i:us)|let['’ʼ]s|please)"
+                    + r"(?:(?-i:I)(?:['’ʼ](?:m|ve|d|ll))?|(?-i:i)(?:['’ʼ](?:m|ve|d|ll)|(?=\s+(?:am|was|have|had|think"
+                    r"|want|need|prefer|like|use|don['’]t|can|will|would|just|also|really|always|never|must)\b)))"
+                    r"|me|my|we|we['’ʼ](?:re|ve|ll|d)|our|(?-i:us)|let['’ʼ]s|please)"
                     r"(?![\w'’ʼ-])", re.IGNORECASE)
 # An order opening its sentence is the user's whoever's words follow: "Never add new dependencies."
 _ORDER_OPENING = re.compile(r"[\W_]{0,3}(?:always|never|don['’]t|do\s+not|make\s+sure|avoid)\b", re.IGNORECASE)

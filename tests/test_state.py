@@ -377,6 +377,23 @@ def test_a_change_that_could_replace_several_replaces_none_and_rewordings_stay_o
         assert [i.text for i in ledger.active("constraints")] == [first]
 
 
+def test_a_correction_of_one_inflection_is_kept_and_history_reads_newest_first() -> None:
+    """"Actually, the table is named user instead" corrects "... users" (the same stem, but it says it
+    corrects); an item replacing several lists them newest first."""
+    ledger = state.Ledger()
+    state.add_item(ledger, "facts", "The table is named users.", source=0, time=None)
+    state.add_item(ledger, "facts", "Actually, the table is named user instead.", source=1, time=None)
+    assert [(i.text, i.was) for i in ledger.active("facts")] == [
+        ("Actually, the table is named user instead.", ["The table is named users."])]
+    ledger = state.Ledger()
+    for source, text in enumerate(("The API is built with Flask 1.1.", "We use Flask blueprints for the admin.")):
+        state.add_item(ledger, "architecture", text, source=source, time=None)
+    item = state.add_item(ledger, "architecture", "We moved the API to FastAPI.", source=2, time=None)
+    assert item is not None
+    state.supersede_mentions(ledger, "Flask", item.id)
+    assert item.was == ["We use Flask blueprints for the admin.", "The API is built with Flask 1.1."]
+
+
 def test_a_change_is_read_from_the_users_words_through_extraction() -> None:
     """"I actually prefer ..." is a preference (an adverb after "I" hid it), and replaces the old one."""
     ledger = state.extract(state.Ledger(), [turn("user", "I prefer dark mode in every editor.")], 0)
@@ -597,6 +614,8 @@ def test_the_voice_rule_reads_prose_not_code_and_only_the_users() -> None:
         voiced = text.replace(rule, "I’ve learned applicants must file the form in person.")
         ledger = state.extract(state.Ledger(), [turn("user", voiced)], 0)
         assert len(ledger.active("constraints")) == 1  # a curly apostrophe is a voice too
+        coded = text.replace(rule, "For i in the list, each item must be checked.")  # code's i is no voice
+        assert len(state.extract(state.Ledger(), [turn("user", coded)], 0).active("constraints")) == kept
     ledger = state.extract(state.Ledger(), [turn("assistant", filler * 40 + "We decided to use Redis 7.")], 0)
     assert [i.text for i in ledger.active("decisions")] == ["We decided to use Redis 7."]
 
@@ -613,7 +632,7 @@ def test_an_assistant_states_what_the_user_just_agreed_to() -> None:
     # Only the reply's first decision, and only after a reply that agrees and says nothing else.
     walkthrough = turn("assistant", "We'll use a list for the queue. We'll use the points (2, 3) to test it.")
     for reply in ("ok thanks", "OK, that didn't work.", "Sure, but what about performance?", "Great, another error.",
-                  "I don't think it is."):
+                  "I don't think it is.", "yes, i think it is", "Broken it is"):
         assert not state.extract(state.Ledger(), [turn("user", reply), walkthrough], 0).active("decisions"), reply
     agreed = state.extract(state.Ledger(), [turn("user", "Sounds good, let's do that."), walkthrough], 0)
     assert [i.text for i in agreed.active("decisions")] == ["We'll use a list for the queue."]
