@@ -548,8 +548,7 @@ _ASSENT_WORDS = (r"(?:ok(?:ay)?|yes|yep|yeah|sure(?:\s+thing)?|agreed|deal|perfe
                  r"|that\s+works|go\s+ahead|let['’]s\s+(?:do|go\s+with)\s+(?:that|it|this)|go\s+(?:with|for)\s+it"
                  r"|do\s+it|(?:great|fine|good)(?=[\s,.!]+(?:ok|yes|sure|let|go|do|that|sounds)))")
 # "Postgres it is", "Redis 7 it is": one to three words naming the choice, none of them a doubt.
-_CHOSEN = (r"(?!(?:\S+\s+){0,3}it\s+is\b.*\b(?:not|n['’]t)\b)"
-           r"(?!.*\b(?:not|n['’]t|what|whatever|no|i|think|guess|still|error|broken|bad|bug)\b)"
+_CHOSEN = (r"(?!.*\b(?:not|n['’]t|what|whatever|no|i|think|guess|still|error|broken|bad|bug)\b)"
            r"(?:[\w+#/-]+\s+){1,3}it\s+is")
 _ASSENT = re.compile(rf"\s*(?:{_ASSENT_WORDS}(?:[\s,.!]+(?:{_ASSENT_WORDS}|please))*(?:[\s,.!]+{_CHOSEN})?"
                      rf"|(?:(?:great|fine|good|alright)[\s,.!]+)?{_CHOSEN})"
