@@ -192,6 +192,7 @@ def _sequence(text: str) -> tuple[str, ...]:
     return tuple(w for w in _WORD.findall(_CHANGES.sub(" ", text).lower()) if w not in _CHANGED)
 
 
+@lru_cache(maxsize=4096)
 def _markers(text: str) -> frozenset[str]:
     return frozenset(" ".join(m.lower().split()) for m in _CHANGES.findall(text))
 
@@ -674,11 +675,11 @@ def sentences(text: str) -> tuple[str, ...]:
     return _split_sentences(text) if len(text) > 16_384 else _remembered_sentences(text)
 
 
-def own_sentences(role: str, text: str) -> tuple[str, ...]:
-    """The sentences of a message that can state its author's project, a leading date stamp aside
-    ("[2023/05/20 (Sat) 07:47] ..."): all of them, but of a user message whose prose (its code
-    aside) runs past PASTED_CHARS only those in the user's own voice or giving an order."""
-    said = sentences(STAMP_RE.sub("", text, count=1))
+def own_sentences(role: str, said: tuple[str, ...]) -> tuple[str, ...]:
+    """Of a message's sentences (`sentences` of its text, a leading date stamp aside: "[2023/05/20
+    (Sat) 07:47] ..."), those that can state its author's project: all of them, but of a user message
+    whose prose (its code aside) runs past PASTED_CHARS only those in the user's own voice or giving
+    an order."""
     if role == "user" and sum(map(len, said)) > PASTED_CHARS:
         return tuple(s for s in said if _VOICE.search(s) or _ORDER_OPENING.match(s))
     return said
@@ -933,12 +934,12 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
     for i, turn in enumerate(turns):
         if turn.role not in ("user", "assistant"):
             continue
-        said = own_sentences(turn.role, turn.text)
+        whole = sentences(STAMP_RE.sub("", turn.text, count=1))
         joint = turn.role == "assistant" and i > 0 and agreed(turns[i - 1])
-        statements = list(islice(_statements(said, turn.role, joint), MAX_STATEMENTS))
+        statements = list(islice(_statements(own_sentences(turn.role, whole), turn.role, joint), MAX_STATEMENTS))
         # The user's own stack, with versions (an assistant's suggestion is not yet the project's), from
         # every sentence: "Stack: Node.js v20.1.0, ..." in a long spec is the user's in any voice.
-        named = (list(islice((c for s in sentences(turn.text) for c in components(s)), MAX_COMPONENTS))
+        named = (list(islice((c for s in whole for c in components(s)), MAX_COMPONENTS))
                  if turn.role == "user" else [])
         if statements or named:
             found.append((start + i, turn.time or now, statements, named))

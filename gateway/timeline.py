@@ -179,15 +179,15 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
         # A leading "[2023/05/20 (Sat) 07:47]" says when, as the line's dates do: as terms it took the
         # room of topics ("2023/05/21, Sun, 12:21"), and it opened every opening.
         text = STAMP_RE.sub("", turn.text, count=1)
+        sentences = state.sentences(text)
         if turn.role == "user":
-            sentences = state.sentences(text)
             if not current.opening:
                 opening = next((s for s in sentences if state.is_statement(s) or s.endswith("?")), "")
                 current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
             current.counts.update(_terms(text))
         # As the state reads them: the same sentences, the same decisions.
         joint = turn.role == "assistant" and i > 0 and state.agreed(turns[i - 1])
-        for sentence in state.own_sentences(turn.role, turn.text):
+        for sentence in state.own_sentences(turn.role, sentences):
             if state.classify(sentence, turn.role, joint=joint) == "decisions":
                 joint = False  # the reply's first decision is what the user agreed to
                 decided = state.clip_words(sentence[state.decision_at(sentence):].rstrip(". "), DECISION_WORDS)
