@@ -552,9 +552,12 @@ def _layers(inputs: Inputs) -> _Layers:
                  or size(lay) + held > hold_cap(settings, original, size(lay) - inputs.held_window, max(budget, 0))
                  or not cost.warm(inputs.last, inputs.now, inputs.prices)):
         kept, held = (), 0
-    # `kept` is all of the last request's blocks or none, so their merged positions are its pins'.
     last_pins = inputs.last.pins if inputs.last is not None else None
-    pinned_at: Mapping[int, int] = last_pins.quoted if kept and last_pins is not None else {}
+    pinned_at: Mapping[int, int] = {}
+    if kept and last_pins is not None:
+        # All of the last request's blocks share its merged positions; a part merges its own.
+        pinned_at = (last_pins.quoted if len(kept) == len(last_pins.blocks)
+                     else {pos: n for p in kept for pos, n in p.quoted})
 
     def rewrite(excerpts: str, forwarded: int) -> Plan:
         return Plan(
@@ -643,7 +646,8 @@ def _rewrite_items(inputs: Inputs, plan: Plan) -> tuple[list[str], list[int], in
     dialect = inputs.dialect
     cut = next((i for i in range(len(window) - 1, -1, -1) if dialect.is_turn_start(window[i].raw)), len(window))
     pins = inputs.last.pins if inputs.last is not None and plan.pinned else None
-    pinned = {p.at: p for p in pins.blocks} if pins is not None else {}
+    # (plan.pinned: the leading blocks of the last request's that this plan keeps.)
+    pinned = {p.at: p for p in pins.blocks[:len(plan.pinned)]} if pins is not None else {}
     start = inputs.history.total_messages - len(window)
     for i, t in enumerate(window[:cut]):
         pin = pinned.get(start + i)
@@ -743,14 +747,16 @@ def _fit(
 def _kept_pins(last: cost.Forwarded | None, layers: str, start: int, tail: Sequence[Message], tail_start: int,
                forced: bool) -> tuple[Pin, ...]:
     """The excerpt blocks the previous request placed, when this one keeps its layers and window
-    start and still holds, at each block's place, the message it was placed before."""
+    start: those up to the first whose place no longer holds the message it was placed before. A
+    request that changes its last turn (edited, regenerated, a question off the record) keeps the
+    cached blocks before it; only the ones at and after the change go."""
     pins = last.pins if last is not None else None
     if forced or pins is None or pins.layers != layers or pins.start != start:
         return ()
-    for p in pins.blocks:
+    for n, p in enumerate(pins.blocks):
         i = p.at - tail_start
         if not (start <= p.at and i < len(tail)) or tail[i].hash != p.hash:
-            return ()
+            return pins.blocks[:n]
     return pins.blocks
 
 

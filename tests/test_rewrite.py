@@ -469,6 +469,28 @@ def test_an_excerpt_stays_in_place_byte_for_byte_until_the_layers_change() -> No
     assert all(f"[message {p}," in folded.plan.excerpts_block for p in (3, 5, 7))
 
 
+def test_a_changed_last_turn_keeps_the_pins_before_it() -> None:
+    """A request whose newest turn differs from the last request's (edited, regenerated, or a question
+    asked off the record) keeps the blocks pinned before earlier turns byte for byte: they are still
+    the cached prefix. Only the block at the changed turn goes, and what it quoted may be quoted anew."""
+    ts = turns(oa, [*chat(12), {"role": "user", "content": "question 12"}])
+    first = _outcome(ts, 16, [3, 5], None)
+    ts2 = ts + turns(oa, [{"role": "assistant", "content": "answer 12"}, {"role": "user", "content": "question 13"}])
+    second = _outcome(ts2, 16, [7], first.forwarded)
+    assert second.forwarded is not None and len(second.forwarded.pins.blocks) == 2
+    edited = ts2[:-1] + turns(oa, [{"role": "user", "content": "question 13, asked another way"}])
+    third = _outcome(edited, 16, [7, 9], second.forwarded)
+    assert [text for _, text in third.plan.pinned] == [first.plan.excerpts_block]
+    assert "[message 7," in third.plan.excerpts_block and "[message 9," in third.plan.excerpts_block
+    body1 = oa.render({"model": "m", "messages": []}, first.plan, cache_control=False)["messages"]
+    body3 = oa.render({"model": "m", "messages": []}, third.plan, cache_control=False)["messages"]
+    assert body3[: len(body1)] == body1
+    # The cost model sees the same: the first request's items up to its newest turn are still cached.
+    assert third.forwarded is not None
+    assert third.forwarded.items[: len(first.forwarded.items) - 1] == first.forwarded.items[:-1]
+    assert [p.text for p in third.forwarded.pins.blocks] == [first.plan.excerpts_block, third.plan.excerpts_block]
+
+
 def test_pins_go_when_the_cache_has_gone_cold() -> None:
     """Once the provider's cache has expired every pinned block would be written again at full price:
     the request quotes afresh what its question recalls instead of carrying the old blocks."""
