@@ -407,9 +407,11 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     `excerpt_budget`: what the applied request's excerpts may fill.
 
     Yes while the kept request is a plain rewrite (within the hard budget, its saving share and
-    `hold_cap`) and costs less over the next `fold_batch / 2` requests: applying writes the new
-    prefix once, then reads a shorter one; keeping reads the longer one the provider already holds.
-    A cold cache costs both a write, so the fold goes in then."""
+    `hold_cap`) and holding has not yet cost what applying would. Applying writes the new prefix
+    once (and the pinned excerpts anew); holding reads a longer window at every request. Renting
+    until the rent paid reaches the price of buying (ski rental) never costs more than twice the
+    best choice made in hindsight, and a wait may end for free: a cold cache costs both a write, so
+    the fold goes in then."""
     prices, last, now = applied.prices, applied.last, applied.now
     if applied.settings.policy != "cost" or last is None or last.full or not cost.warm(last, now, prices):
         return False
@@ -423,15 +425,17 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     # Pins belong to the layout they were quoted in: the applied request starts its excerpts over
     # and writes a whole block (up to its budget), where the kept one reads its pins from the cache
     # and writes only what its question recalls beyond them (this conversation's rate so far).
-    # Later reads of that block count only the same difference: short of the whole block, which
-    # leans toward applying (the shorter request) when the two are close.
     rate = last.excerpt_rate
     carried = 0 if rate is None else max(0, min(_pinned_tokens(kept, k), excerpt_budget) - round(rate))
-    later = max(2, applied.settings.fold_batch // 2) - 1
-    apply = (cost.billed(items_a, tokens_a, last, now, prices) + prices.write * carried
-             + later * prices.read * (sum(tokens_a) + carried))
-    keep = cost.billed(items_k, tokens_k, last, now, prices) + later * prices.read * sum(tokens_k)
-    return keep <= apply
+    buy = (cost.billed(items_a, tokens_a, last, now, prices) + prices.write * carried
+           - cost.billed(items_k, tokens_k, last, now, prices))
+    # The rent paid so far: each request since the first fold was held read the part held then. That
+    # part grew with the conversation to `held_window` tokens over `between` messages, about one
+    # request per two, so the reads add up to about a triangle's area. (A fixed horizon instead, the
+    # next fold_batch / 2 requests, applied folds too soon: docs/architecture.md, "Held folds".)
+    between = applied.history.tail_start - kept.history.tail_start
+    rent = prices.read * kept.held_window * between / 4
+    return rent < buy
 
 
 def hold_cap(settings: MemorySettings, original: int, applied_tokens: int, excerpt_budget: int) -> float:

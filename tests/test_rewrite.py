@@ -750,6 +750,30 @@ def test_a_held_fold_counts_the_pinned_excerpts_applying_it_would_write_again() 
     assert rewrite.plan(replace(applied, now=cold), replace(kept, now=cold)).inputs is not kept
 
 
+def test_a_held_fold_goes_in_once_holding_has_cost_what_applying_would() -> None:
+    """Ski rental: a warm conversation keeps its cached layers while the reads its held window has
+    cost so far (the window grew one turn at a time: about a triangle of reads) are less than the
+    writes applying the fold takes; then the fold goes in, cache still warm. Waiting longer only
+    pays off when the cache goes cold, which applies it for nothing."""
+    ts, inputs = _held_fold_case()
+    first = rewrite.plan(inputs(81, 60, "the story so far", None, 0.0)).finish([])
+    assert first.forwarded is not None
+
+    def holds(cov: int, held: int | None = None) -> bool:
+        kept = inputs(83, 60, "the story so far", first.forwarded, 30.0)
+        applied = inputs(83, cov, "a newer story", first.forwarded, 30.0)
+        if held is None:
+            held = sum(t.tokens for t in ts[60:cov])  # what memory.py measures of the held messages
+        return rewrite.plan(applied, replace(kept, held_window=held)).inputs.history.tail_start == 60
+
+    # Folds over 2, 10, 16 and 20 more messages: ~200 to ~2,000 tokens held over as many messages.
+    assert [holds(cov) for cov in (62, 70, 76, 80)] == [True, True, False, False]
+    # The same request: what decides is the reads paid so far, not what the next few would cost.
+    # Ten messages held; applying would bill ~1,170 tokens' worth more than holding, against
+    # ~0.1 x held x 10 / 4 of reads paid so far.
+    assert holds(70, held=4_000) and not holds(70, held=5_000)
+
+
 def test_a_held_fold_goes_in_once_holding_grows_the_request_past_the_hold_share() -> None:
     """`hold_max_share`: the held window is kept while the request with it and a full excerpt budget
     stays within that share of the full request; past it the fold is applied, however much the
