@@ -913,7 +913,8 @@ def is_component(item: Item) -> bool:
     return item.component is not None
 
 
-def _statements(found: Iterable[str], role: str, joint: bool = False) -> Iterator[tuple[str, Kind]]:
+def stated(found: Iterable[str], role: str, joint: bool = False) -> Iterator[tuple[str, Kind]]:
+    """The sentences of `found` that state something, with their kind (`joint`: see classify)."""
     for sentence in found:
         kind = classify(sentence, role, joint=joint)
         if kind is not None:
@@ -936,7 +937,7 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
             continue
         whole = sentences(STAMP_RE.sub("", turn.text, count=1))
         joint = turn.role == "assistant" and i > 0 and agreed(turns[i - 1])
-        statements = list(islice(_statements(own_sentences(turn.role, whole), turn.role, joint), MAX_STATEMENTS))
+        statements = list(islice(stated(own_sentences(turn.role, whole), turn.role, joint), MAX_STATEMENTS))
         # The user's own stack, with versions (an assistant's suggestion is not yet the project's), from
         # every sentence: "Stack: Node.js v20.1.0, ..." in a long spec is the user's in any voice.
         named = (list(islice((c for s in whole for c in components(s)), MAX_COMPONENTS))

@@ -187,9 +187,8 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
             current.counts.update(_terms(text))
         # As the state reads them: the same sentences, the same decisions.
         joint = turn.role == "assistant" and i > 0 and state.agreed(turns[i - 1])
-        for sentence in state.own_sentences(turn.role, sentences):
-            if state.classify(sentence, turn.role, joint=joint) == "decisions":
-                joint = False  # the reply's first decision is what the user agreed to
+        for sentence, kind in state.stated(state.own_sentences(turn.role, sentences), turn.role, joint):
+            if kind == "decisions":
                 decided = state.clip_words(sentence[state.decision_at(sentence):].rstrip(". "), DECISION_WORDS)
                 decided = decided.replace("; ", ", ").replace(" | ", ", ")
                 current.decisions = [*current.decisions, decided][-DECISIONS:]
