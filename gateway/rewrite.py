@@ -407,11 +407,13 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     `excerpt_budget`: what the applied request's excerpts may fill.
 
     Yes while the kept request is a plain rewrite (within the hard budget, its saving share and
-    `hold_cap`) and holding has not yet cost what applying would. Applying writes the new prefix
-    once (and the pinned excerpts anew); holding reads a longer window at every request. Renting
-    until the rent paid reaches the price of buying (ski rental) never costs more than twice the
-    best choice made in hindsight, and a wait may end for free: a cold cache costs both a write, so
-    the fold goes in then."""
+    `hold_cap`) and the reads holding is estimated to have cost are less than what applying would
+    bill now. Applying writes the new prefix once (and the pinned excerpts anew); holding reads a
+    longer window at every request; a wait may end for free: a cold cache costs both a write, so the
+    fold goes in then. The estimate comes from the held part's size, not from a count of the
+    requests that held it: it does not grow while one fold is held, so a held fold lasts until the
+    next fold, a cold cache, the saving share or `hold_cap` ends it (an exact running count of the
+    reads paid is not kept)."""
     prices, last, now = applied.prices, applied.last, applied.now
     if applied.settings.policy != "cost" or last is None or last.full or not cost.warm(last, now, prices):
         return False
@@ -429,9 +431,9 @@ def keep_layers(applied: Inputs, kept: Inputs, a: Plan, k: Plan, excerpt_budget:
     carried = 0 if rate is None else max(0, min(_pinned_tokens(kept, k), excerpt_budget) - round(rate))
     buy = (cost.billed(items_a, tokens_a, last, now, prices) + prices.write * carried
            - cost.billed(items_k, tokens_k, last, now, prices))
-    # The rent paid so far: each request since the first fold was held read the part held then. That
-    # part grew with the conversation to `held_window` tokens over `between` messages, about one
-    # request per two, so the reads add up to about a triangle's area. (A fixed horizon instead, the
+    # The reads paid so far, estimated: each request since the first fold was held read the part held
+    # then. That part grew with the conversation to `held_window` tokens over `between` messages, about
+    # one request per two, so the reads add up to about a triangle's area. (A fixed horizon instead, the
     # next fold_batch / 2 requests, applied folds too soon: docs/architecture.md, "Held folds".)
     between = applied.history.tail_start - kept.history.tail_start
     rent = prices.read * kept.held_window * between / 4
