@@ -653,21 +653,21 @@ def _rewrite_items(inputs: Inputs, plan: Plan) -> tuple[list[str], list[int], in
     cut = next((i for i in range(len(window) - 1, -1, -1) if dialect.is_turn_start(window[i].raw)), len(window))
     pins = inputs.last.pins if inputs.last is not None and plan.pinned else None
     # (plan.pinned: the leading blocks of the last request's that this plan keeps.)
-    pinned = {p.at: p for p in pins.blocks[:len(plan.pinned)]} if pins is not None else {}
+    # A message may have more than one block before it: a retried turn keeps its pin and adds another.
+    pinned: dict[int, list[Pin]] = {}
+    for p in pins.blocks[:len(plan.pinned)] if pins is not None else ():
+        pinned.setdefault(p.at, []).append(p)
     start = inputs.history.total_messages - len(window)
     for i, t in enumerate(window[:cut]):
-        pin = pinned.get(start + i)
-        if pin is not None:
+        for pin in pinned.get(start + i, ()):
             items.append(pin.digest)
             tokens.append(pin.tokens)
         items.append(t.hash)
         tokens.append(t.tokens)
-    stable = sum(tokens)
-    pin = pinned.get(start + cut)  # a pin before the newest turn itself (that turn sent again)
-    if pin is not None:
+    for pin in pinned.get(start + cut, ()):  # pins before the newest turn itself (that turn sent again)
         items.append(pin.digest)
         tokens.append(pin.tokens)
-        stable += pin.tokens
+    stable = sum(tokens)
     excerpts = max(plan.tokens_forwarded - stable - sum(t.tokens for t in window[cut:]), 0)
     if plan.excerpts_block:
         items.append(_digest(plan.excerpts_block))

@@ -491,6 +491,26 @@ def test_a_changed_last_turn_keeps_the_pins_before_it() -> None:
     assert [p.text for p in third.forwarded.pins.blocks] == [first.plan.excerpts_block, third.plan.excerpts_block]
 
 
+def test_a_retried_turn_keeps_both_blocks_pinned_before_it() -> None:
+    """A turn sent again (a retry) keeps its pinned block and may add a second before the same
+    message. The next turn forwards both, and the cost model counts both as the cached prefix
+    they are, not one of them."""
+    ts = turns(oa, [*chat(12), {"role": "user", "content": "question 12"}])
+    first = _outcome(ts, 16, [3], None)
+    retried = _outcome(ts, 16, [3, 5], first.forwarded)
+    assert retried.forwarded is not None
+    blocks = retried.forwarded.pins.blocks
+    assert [p.at for p in blocks] == [len(ts) - 1] * 2
+    ts2 = ts + turns(oa, [{"role": "assistant", "content": "answer 12"}, {"role": "user", "content": "question 13"}])
+    nxt = _outcome(ts2, 16, [7], retried.forwarded)
+    assert nxt.forwarded is not None and len(nxt.plan.pinned) == 2
+    # The retried request's items, its newest turn included, are the next one's prefix.
+    assert nxt.forwarded.items[: len(retried.forwarded.items)] == retried.forwarded.items
+    assert [p.digest for p in blocks] == [i for i in nxt.forwarded.items if i in {p.digest for p in blocks}]
+    body = oa.render({"model": "m", "messages": []}, retried.plan, cache_control=False)["messages"]
+    assert oa.render({"model": "m", "messages": []}, nxt.plan, cache_control=False)["messages"][: len(body)] == body
+
+
 def test_pins_go_when_the_cache_has_gone_cold() -> None:
     """Once the provider's cache has expired every pinned block would be written again at full price:
     the request quotes afresh what its question recalls instead of carrying the old blocks."""
