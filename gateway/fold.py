@@ -244,7 +244,8 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
 
     Only the Recent section is rewritten with the new messages; the cap is applied after each
     chunk, so no intermediate summary grows without bound either. The timeline ahead of it
-    (timeline.py: a line per session, within `timeline_tokens`; 0 leaves it as it is) is
+    (timeline.py: a line per session or task, within `timeline_tokens` or a share of what it covers;
+    0 leaves it as it is) is
     extended locally, whatever the summarizer: off the event loop unless already off it.
     """
     lines, text = timeline.parse(previous)
@@ -268,7 +269,8 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
         position += len(chunk)
     if timeline_tokens > 0 and turns:
         def extended() -> list[timeline.Line]:
-            return timeline.cap(timeline.extend(lines, turns, start), timeline_tokens, summarizer.count)
+            room = timeline.budget(timeline_tokens, start + len(turns), turns)
+            return timeline.cap(timeline.extend(lines, turns, start), room, summarizer.count)
 
         lines = extended() if summarizer.local else await asyncio.to_thread(extended)
     return SummaryResult(timeline.compose(lines, text), tokens_in, tokens_out)

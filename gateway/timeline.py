@@ -1,7 +1,8 @@
-"""The summary's timeline: one line per session, in order; older lines re-compressed, never dropped.
+"""The summary's timeline: one line per session or task, in order; older lines re-compressed, never dropped.
 
 A session is a run of messages with no gap longer than `SESSION_GAP` between their times (and on
-one date); messages without a time continue the session before them. Each line says when, which
+one date); messages without a time continue the session before them. A long session is cut at the
+first user turn past `TASK_MESSAGES` messages: a line per task. Each line says when, which
 messages, how the session opened, its salient terms (names, identifiers, versions, numbers: what
 "what did we do about X, and in what order" questions need) and what was decided or changed:
 
@@ -9,9 +10,10 @@ messages, how the session opened, its salient terms (names, identifiers, version
       Express 4.18.2, port 3000; decided: use Redis for sessions
 
 A fold extends the timeline with the messages it takes (the last line goes on when its session
-does). Over its budget, the two oldest adjacent lines are merged into one covering both (dates,
-messages, the first opening, the terms and decisions of both, cut to a line's share), repeatedly:
-a session's date and range stay on some line whatever the length of the conversation.
+does). Its budget grows with the conversation (`budget`). Over it, the adjacent pair of older lines
+with the fewest tokens is merged into one covering both (dates, messages, the first opening, the
+terms and decisions of both, cut to a line's share), repeatedly: a session's date and range stay
+on some line whatever the length of the conversation.
 
 Pure and local: regexes over the folded messages, each bounded as `state.sentences` bounds them.
 """
@@ -31,6 +33,12 @@ from gateway.retrieval import STAMP_RE
 Count = Callable[[str], int]
 HEADING = "Timeline:"
 SESSION_GAP = 3600.0  # seconds between two messages that start a new session
+# A coding assistant's session runs for hours: past this many messages a line ends at the next user
+# turn, so a session's tasks get lines of their own rather than ten terms for fifty thousand tokens.
+TASK_MESSAGES = 20
+# A long conversation's timeline may take this share of the tokens it covers (at least the
+# configured `timeline_tokens`): a fixed budget merged a 500K-token conversation into seven lines.
+SHARE = 0.01
 TERMS = 10  # salient terms a line keeps
 DECISIONS = 2  # decided/changed statements a line keeps
 OPENING_WORDS = 14
@@ -162,7 +170,8 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
         stamp, seconds = _stamp(turn.time)
         new_session = current is None or (
             seconds is not None and last_seen is not None
-            and (seconds - last_seen > SESSION_GAP or stamp[:10] != current.end[:10]))
+            and (seconds - last_seen > SESSION_GAP or stamp[:10] != current.end[:10])) or (
+            turn.role == "user" and pos - current.first >= TASK_MESSAGES)
         if new_session:
             current = Line(start=stamp, end=stamp, first=pos, last=pos)
             out.append(current)
@@ -207,6 +216,15 @@ def _merge(a: Line, b: Line) -> Line:
     return Line(start=a.start or b.start, end=b.end or a.end, first=a.first, last=b.last,
                 opening=a.opening or b.opening, terms=terms[:TERMS],
                 decisions=[*a.decisions, *b.decisions][-DECISIONS:])
+
+
+def budget(timeline_tokens: int, covered: int, turns: Sequence[Message]) -> int:
+    """Tokens the timeline of a conversation `covered` messages long may take: `timeline_tokens`, or
+    SHARE of the tokens it covers, estimated from the messages just folded (`turns`)."""
+    if not turns:
+        return timeline_tokens
+    mean = sum(t.tokens for t in turns) / len(turns)
+    return max(timeline_tokens, int(SHARE * covered * mean))
 
 
 def cap(lines: list[Line], max_tokens: int, count: Count) -> list[Line]:

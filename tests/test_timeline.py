@@ -84,6 +84,47 @@ async def test_older_lines_are_merged_never_dropped() -> None:
     assert re.search(r"2024-03-02 10:00 to 2024-03-\d\d", text)
 
 
+def long_session(tasks: int) -> list[Message]:
+    """One afternoon without a break (a message a minute): `tasks` tasks of 12 messages, each on its own module."""
+    turns, pad = [], " It builds and the tests pass" * 8
+    for k in range(tasks):
+        for j in range(12):
+            minute = 12 * k + j
+            when = f"2024-03-02T{12 + minute // 60:02d}:{minute % 60:02d}:00"
+            text = (f"Now the Module{k} work: wire module_{k}.py to the ServiceBus{k} queue." if j == 0
+                    else f"Step {j} of that, still on it." if j % 2 == 0 else "Done, here is the change." + pad)
+            turns.append(msg("user" if j % 2 == 0 else "assistant", text, when))
+    return turns
+
+
+async def test_a_long_session_gets_a_line_per_task() -> None:
+    """A coding session of hours with no break: a line ends at the first user turn past 20 messages,
+    so each stretch keeps its own names, where one line of ten terms for the afternoon lost most."""
+    turns = long_session(10)
+    lines, _ = timeline.parse(await fold_all(turns, 10, 100_000))
+    assert len(lines) == 6  # 120 messages, a line per 20 (each cut at a user turn)
+    assert all(20 <= ln.last - ln.first + 1 <= 21 for ln in lines[:-1])
+    assert lines[0].first == 0 and lines[-1].last == len(turns) - 1
+    assert all(a.last + 1 == b.first for a, b in itertools.pairwise(lines))
+    terms = {t for ln in lines for t in ln.terms}
+    assert {f"module_{k}.py" for k in range(10)} <= terms
+
+
+async def test_a_long_conversations_timeline_grows_with_it() -> None:
+    """`timeline_tokens` is the floor: a conversation whose 1% of tokens is more keeps more of its
+    lines apart, and a short one keeps to the floor."""
+    turns = long_session(30)
+    grown = timeline.budget(40, len(turns), turns)
+    assert grown == int(0.01 * sum(t.tokens for t in turns)) > 100  # ~15,000 words
+    assert timeline.budget(40, 12, turns[:12]) == 40
+    text = await fold_all(turns, 10, 40)
+    lines = timeline.parse(text)[0]
+    assert words(text.split("\n\n")[0]) <= grown + len(lines)
+    floor_only = timeline.cap(timeline.extend([], turns, 0), 40, words)
+    assert 2 == len(floor_only) < len(lines) < 18  # merged, to fit the grown budget, not the floor
+    assert lines[0].first == 0 and lines[-1].last == len(turns) - 1
+
+
 def test_a_list_of_numbers_is_not_a_topic_but_a_number_is() -> None:
     """"3,31" (a reference, a list) says nothing of what a session was about; "1,000" and "7.2" do."""
     terms = timeline._terms("We moved 1,000 users to Redis 7.2 in batch 3,31 and 4,3 on port 3000.")
