@@ -46,7 +46,7 @@ WORK = [
     "What logging should {part} have in production?",
     "TODO: add rate limiting to {part} before the launch on March 3rd.",
     "We chose to store {part} settings in environment variables, not in a YAML file.",
-    "Is there a simpler way to write the {part} migration script at scripts/migrate_{part}.py?",
+    "Is there a simpler way to write the {part} migration script at scripts/migrate_{name}.py?",
     "How do I benchmark {part} under 200 requests per second?",
 ]
 PARTS = ["redirect", "analytics", "auth", "admin page", "link expiry", "QR codes", "API keys", "backup"]
@@ -87,7 +87,7 @@ def _question(rng: random.Random, turn: int) -> str:
     if turn < len(OPENING):
         return OPENING[turn]
     part = rng.choice(PARTS)
-    question = rng.choice(WORK).format(part=part)
+    question = rng.choice(WORK).format(part=part, name=part.replace(" ", "_"))
     return question + _code(part, turn) if turn % 2 == 0 else question
 
 
