@@ -191,7 +191,10 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
         sentences = state.sentences(text)
         if turn.role == "user":
             if not current.opening:
-                opening = next((s for s in sentences if state.is_statement(s) or s.endswith("?")), "")
+                # What was asked: the first statement or question that names something ("Here's my
+                # code:" or "Can you help me fix this?" says nothing of the task), else the first.
+                asked = [s for s in sentences if state.is_statement(s) or s.endswith("?")]
+                opening = next((s for s in asked if _terms(s)), asked[0] if asked else "")
                 current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
             current.counts.update(_terms(text))
         # As the state reads them: the same sentences, the same decisions.

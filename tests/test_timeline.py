@@ -125,6 +125,17 @@ async def test_a_long_conversations_timeline_grows_with_it() -> None:
     assert lines[0].first == 0 and lines[-1].last == len(turns) - 1
 
 
+def test_a_line_opens_on_what_was_asked_not_a_bare_request_for_help() -> None:
+    """The opening is the first statement or question that names something: "Can you help me fix
+    this?" before the file and the error says nothing of the task; with no name at all, the first one."""
+    turns = [msg("user", "Can you help me fix this? I upgraded to Flask 2.3.3 and the /predict endpoint "
+                 "returns 500. Here's my code:", "2024-03-02T10:00:00")]
+    (line,) = timeline.extend([], turns, 0)
+    assert line.opening == "I upgraded to Flask 2.3.3 and the /predict endpoint returns 500"
+    (plain,) = timeline.extend([], [msg("user", "Can you help me? It is slow.", "2024-03-02T10:00:00")], 0)
+    assert plain.opening == "Can you help me"
+
+
 def test_a_list_of_numbers_is_not_a_topic_but_a_number_is() -> None:
     """"3,31" (a reference, a list) says nothing of what a session was about; "1,000" and "7.2" do."""
     terms = timeline._terms("We moved 1,000 users to Redis 7.2 in batch 3,31 and 4,3 on port 3000.")
