@@ -487,6 +487,17 @@ class Memory:
         return Message(raw=raw, role=dialect.role(raw), text=text,
                        tokens=self.tokens.count_message(text, model), hash=h, time=when or _now())
 
+    async def _replies(self, dialect: Dialect, items: list[dict[str, Any]], model: str | None,
+                       when: str | None) -> list[Message]:
+        """The reply's messages, a long one counted in a thread as a pasted file is (`_logical`)."""
+        out = []
+        for raw in items:
+            text = dialect.text(raw)
+            if len(text) > COUNT_OFF_LOOP:
+                await asyncio.to_thread(self.tokens.count, text, model)
+            out.append(self._message(dialect, raw, content_hash(dialect, raw), model, when, text))
+        return out
+
     async def _logical(self, ref: ConvRef, dialect: Dialect, model: str | None, view: ConversationView,
                        decision: Decision, history: list[dict[str, Any]], hashes: list[str],
                        chains: list[str], when: str | None = None) -> _Request:
@@ -641,11 +652,11 @@ class Memory:
         window = self.settings.model(model).context_window
         sent = when or _now()  # the client's time (X-Message-Time) when it gave one, as for a stored turn
 
-        def on_success(items: list[dict[str, Any]], usage: Usage) -> Coroutine[Any, Any, None]:
-            reply = [self._message(dialect, raw, content_hash(dialect, raw), model, when) for raw in items]
+        async def on_success(items: list[dict[str, Any]], usage: Usage) -> None:
+            reply = await self._replies(dialect, items, model, when)
             late = _Late(ref, dialect, model, history, hashes, chains, arrived, sent, reply, _usage_stats(usage),
                          weight=_HELD_PER_BODY_BYTE * len(call.raw))
-            return self._defer(late, exc)
+            await self._defer(late, exc)
 
         return Prepared(body=None, on_success=on_success, headers={
             "x-gateway-context": "degraded", "x-gateway-reason": STORE_BUSY if busy else rewrite.DEGRADED,
@@ -740,8 +751,7 @@ class Memory:
             # Earlier turns of this conversation wait in the retry queue: storing a delta client's
             # new turns now would put them before those. (A whole history is stored as it came; the
             # queued turns then find themselves stored already.)
-            reply = [self._message(req.dialect, raw, content_hash(req.dialect, raw), req.model, req.when)
-                     for raw in items]
+            reply = await self._replies(req.dialect, items, req.model, req.when)
             await self._defer(_Late(req.ref, req.dialect, req.model, req.incoming, req.hashes, req.chains,
                                     req.arrived, _sent(req), reply, _usage_stats(usage), req.plan,
                                     req.summarizer_charge, _HELD_PER_BODY_BYTE * req.body_bytes),
@@ -752,7 +762,7 @@ class Memory:
 
     async def _record_now(self, req: _Request, items: list[dict[str, Any]], usage: Usage, replied: float) -> None:
         dialect, ref = req.dialect, req.ref
-        reply = [self._message(dialect, raw, content_hash(dialect, raw), req.model, req.when) for raw in items]
+        reply = await self._replies(dialect, items, req.model, req.when)
         turns = [*req.new_messages, *reply]
         replied = replied or time.monotonic()
         conv = conv_key(ref)

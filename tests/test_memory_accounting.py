@@ -127,3 +127,34 @@ async def test_a_pasted_file_is_counted_off_the_event_loop(redis_url: str, monke
         stored = (await g.api("GET", "pasted/messages"))[1]["data"]
     assert where == [False]  # counted once, in a worker thread
     assert stored[0]["tokens"] == TokenCounter({}).count_message(pasted)
+
+
+async def test_a_long_reply_is_counted_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
+    """A reply of a whole file (256 KB) is counted in a thread too, as a pasted file is: recording it
+    does not hold the requests of every other conversation, and its stored count is the usual one."""
+    import asyncio
+    import threading
+
+    from gateway.tokens import TokenCounter
+
+    answer = "\n".join(f"line {i}: value_{i} = compute({i}, mode='fast')" for i in range(6_000))
+    where: list[bool] = []  # counted on the event loop's thread?
+    real = TokenCounter._fresh
+
+    def spy(self: TokenCounter, enc: Any, text: str) -> int:
+        if text == answer:
+            try:
+                asyncio.get_running_loop()
+                where.append(True)
+            except RuntimeError:
+                where.append(threading.current_thread() is threading.main_thread())
+        return real(self, enc, text)
+
+    monkeypatch.setattr(TokenCounter, "_fresh", spy)
+    async with memory_gateway(redis_url, reply=answer) as g:
+        await openai_turn(g, g.openai(), "long-reply", [{"role": "user", "content": "the whole file, please"}])
+        stored = (await g.api("GET", "long-reply/messages"))[1]["data"]
+    assert len(answer) > 200_000
+    assert where == [False]
+    assert stored[1]["message"]["content"] == answer
+    assert stored[1]["tokens"] == TokenCounter({}).count_message(answer)
