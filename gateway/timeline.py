@@ -2,9 +2,10 @@
 
 A session is a run of messages with no gap longer than `SESSION_GAP` between their times (and on
 one date); messages without a time continue the session before them. A long session is cut at the
-first user turn past `TASK_MESSAGES` messages: a line per task. Each line says when, which
-messages, how the session opened, its salient terms (names, identifiers, versions, numbers: what
-"what did we do about X, and in what order" questions need) and what was decided or changed:
+first user turn past `TASK_MESSAGES` messages and about `TASK_TOKENS` tokens: a line per task.
+Each line says when, which messages, how the session opened, its salient terms (names,
+identifiers, versions, numbers: what "what did we do about X, and in what order" questions need)
+and what was decided or changed:
 
     - 2024-01-05 09:00-09:40 (messages 0-79): opened: set up the WebSocket server; topics: Socket.io,
       Express 4.18.2, port 3000; decided: use Redis for sessions
@@ -20,6 +21,7 @@ Pure and local: regexes over the folded messages, each bounded as `state.sentenc
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -33,9 +35,12 @@ from gateway.retrieval import STAMP_RE
 Count = Callable[[str], int]
 HEADING = "Timeline:"
 SESSION_GAP = 3600.0  # seconds between two messages that start a new session
-# A coding assistant's session runs for hours: past this many messages a line ends at the next user
-# turn, so a session's tasks get lines of their own rather than ten terms for fifty thousand tokens.
+# A coding assistant's session runs for hours: past this many messages and about this many tokens
+# a line ends at the next user turn, so a session's tasks get lines of their own rather than ten
+# terms for fifty thousand tokens. (A chat of one-line messages keeps a line per session: its lines
+# would be as long as what they cover.)
 TASK_MESSAGES = 20
+TASK_TOKENS = 4000
 # A long conversation's timeline may take this share of the tokens it covers (at least the
 # configured `timeline_tokens`): a fixed budget merged a 500K-token conversation into seven lines.
 SHARE = 0.01
@@ -165,13 +170,17 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
                 Counter({t: len(ln.terms) - i for i, t in enumerate(ln.terms)})) for ln in lines]
     _, last_seen = _stamp(out[-1].end.replace(" ", "T")) if out and out[-1].end else ("", None)
     current = out[-1] if out and out[-1].last == start - 1 else None
+    # Messages a line takes before a user turn ends it: by the tokens of the messages at hand (a
+    # stored line's own are not kept).
+    mean = sum(t.tokens for t in turns) / len(turns) if turns else 1
+    task = max(TASK_MESSAGES, math.ceil(TASK_TOKENS / max(mean, 1)))
     for i, turn in enumerate(turns):
         pos = start + i
         stamp, seconds = _stamp(turn.time)
         new_session = current is None or (
             seconds is not None and last_seen is not None
             and (seconds - last_seen > SESSION_GAP or stamp[:10] != current.end[:10])) or (
-            turn.role == "user" and pos - current.first >= TASK_MESSAGES)
+            turn.role == "user" and pos - current.first >= task)
         if new_session:
             current = Line(start=stamp, end=stamp, first=pos, last=pos)
             out.append(current)

@@ -86,13 +86,13 @@ async def test_older_lines_are_merged_never_dropped() -> None:
 
 def long_session(tasks: int) -> list[Message]:
     """One afternoon without a break (a message a minute): `tasks` tasks of 12 messages, each on its own module."""
-    turns, pad = [], " It builds and the tests pass" * 8
+    turns, pad = [], " It builds and the tests pass." * 40  # a coding turn's length: ~240 words
     for k in range(tasks):
         for j in range(12):
             minute = 12 * k + j
             when = f"2024-03-02T{12 + minute // 60:02d}:{minute % 60:02d}:00"
             text = (f"Now the Module{k} work: wire module_{k}.py to the ServiceBus{k} queue." if j == 0
-                    else f"Step {j} of that, still on it." if j % 2 == 0 else "Done, here is the change." + pad)
+                    else f"Step {j} of that, still on it." if j % 2 == 0 else "Done, here is the change.") + pad
             turns.append(msg("user" if j % 2 == 0 else "assistant", text, when))
     return turns
 
@@ -110,18 +110,27 @@ async def test_a_long_session_gets_a_line_per_task() -> None:
     assert {f"module_{k}.py" for k in range(10)} <= terms
 
 
+async def test_a_chat_of_one_line_messages_keeps_a_line_per_session() -> None:
+    """A line ends for a task only once it covers about TASK_TOKENS tokens: sixty one-line messages
+    of one afternoon stay one line, which a line per 20 of them would make as long as what it covers."""
+    turns = [msg("user" if i % 2 == 0 else "assistant", f"Chat line {i} about the Lunch{i % 3} plan.",
+                 f"2024-03-02T12:{i:02d}:00") for i in range(60)]
+    lines, _ = timeline.parse(await fold_all(turns, 10, 800))
+    assert [(ln.first, ln.last) for ln in lines] == [(0, 59)]
+
+
 async def test_a_long_conversations_timeline_grows_with_it() -> None:
     """`timeline_tokens` is the floor: a conversation whose 1% of tokens is more keeps more of its
     lines apart, and a short one keeps to the floor."""
     turns = long_session(30)
     grown = timeline.budget(40, len(turns), turns)
-    assert grown == int(0.01 * sum(t.tokens for t in turns)) > 100  # ~15,000 words
+    assert grown == int(0.01 * sum(t.tokens for t in turns)) > 800  # ~90,000 words
     assert timeline.budget(40, 12, turns[:12]) == 40
     text = await fold_all(turns, 10, 40)
     lines = timeline.parse(text)[0]
     assert words(text.split("\n\n")[0]) <= grown + len(lines)
     floor_only = timeline.cap(timeline.extend([], turns, 0), 40, words)
-    assert 2 == len(floor_only) < len(lines) < 18  # merged, to fit the grown budget, not the floor
+    assert 2 == len(floor_only) < len(lines) <= 18  # 18 tasks: the grown budget keeps them apart, not the floor
     assert lines[0].first == 0 and lines[-1].last == len(turns) - 1
 
 
