@@ -220,7 +220,8 @@ class MemorySettings(_Strict):
     fold_tokens: int = Field(6000, ge=1)
     max_summary_tokens: int = Field(600, ge=50)
     # The summary's timeline (a line per session or task, older lines merged, never dropped) within
-    # this many tokens or 1% of those it covers (timeline.budget), besides max_summary_tokens; 0: none.
+    # this many tokens or 1% of those it covers, up to 4,000 (timeline.budget), besides
+    # max_summary_tokens; 0: none.
     timeline_tokens: int = Field(800, ge=0)
     state_budget_tokens: int = Field(500, ge=0)
     # Excerpts get at least this many tokens (the floor of a long conversation's budget)…

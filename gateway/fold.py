@@ -269,7 +269,8 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
         position += len(chunk)
     if timeline_tokens > 0 and turns:
         def extended() -> list[timeline.Line]:
-            room = timeline.budget(timeline_tokens, start + len(turns), turns)
+            held = sum(summarizer.count(line.render()) + 1 for line in lines)
+            room = timeline.budget(timeline_tokens, start + len(turns), turns, held)
             return timeline.cap(timeline.extend(lines, turns, start), room, summarizer.count)
 
         lines = extended() if summarizer.local else await asyncio.to_thread(extended)

@@ -44,6 +44,9 @@ TASK_TOKENS = 4000
 # A long conversation's timeline may take this share of the tokens it covers (at least the
 # configured `timeline_tokens`): a fixed budget merged a 500K-token conversation into seven lines.
 SHARE = 0.01
+# ... up to this many: it goes into every rewritten request, and an edited summary must fit the
+# API's 20,000 characters (api.py).
+MAX_TOKENS = 4000
 TERMS = 10  # salient terms a line keeps
 DECISIONS = 2  # decided/changed statements a line keeps
 OPENING_WORDS = 14
@@ -230,13 +233,13 @@ def _merge(a: Line, b: Line) -> Line:
                 decisions=[*a.decisions, *b.decisions][-DECISIONS:])
 
 
-def budget(timeline_tokens: int, covered: int, turns: Sequence[Message]) -> int:
-    """Tokens the timeline of a conversation `covered` messages long may take: `timeline_tokens`, or
-    SHARE of the tokens it covers, estimated from the messages just folded (`turns`)."""
-    if not turns:
-        return timeline_tokens
-    mean = sum(t.tokens for t in turns) / len(turns)
-    return max(timeline_tokens, int(SHARE * covered * mean))
+def budget(timeline_tokens: int, covered: int, turns: Sequence[Message], held: int = 0) -> int:
+    """Tokens the timeline of a conversation `covered` messages long may take: SHARE of the tokens it
+    covers, estimated from the messages just folded (`turns`), and never less than it takes already
+    (`held`): merges are not undone, and one fold of short messages ("ok", "go on") must not merge a
+    grown timeline down for good. At most MAX_TOKENS, at least `timeline_tokens`."""
+    grown = int(SHARE * covered * sum(t.tokens for t in turns) / len(turns)) if turns else 0
+    return max(timeline_tokens, min(max(grown, held), MAX_TOKENS))
 
 
 def cap(lines: list[Line], max_tokens: int, count: Count) -> list[Line]:

@@ -507,6 +507,8 @@ def test_a_retried_turn_keeps_both_blocks_pinned_before_it() -> None:
     # The retried request's items, its newest turn included, are the next one's prefix.
     assert nxt.forwarded.items[: len(retried.forwarded.items)] == retried.forwarded.items
     assert [p.digest for p in blocks] == [i for i in nxt.forwarded.items if i in {p.digest for p in blocks}]
+    billed = dict(zip(nxt.forwarded.items, nxt.forwarded.tokens, strict=True))
+    assert [billed[p.digest] for p in blocks] == [p.tokens for p in blocks]  # both counted, at their size
     body = oa.render({"model": "m", "messages": []}, retried.plan, cache_control=False)["messages"]
     assert oa.render({"model": "m", "messages": []}, nxt.plan, cache_control=False)["messages"][: len(body)] == body
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -143,6 +144,52 @@ def test_a_line_opens_on_what_was_asked_not_a_bare_request_for_help() -> None:
     assert line.opening == "I upgraded to Flask 2.3.3 and the /predict endpoint returns 500"
     (plain,) = timeline.extend([], [msg("user", "Can you help me? It is slow.", "2024-03-02T10:00:00")], 0)
     assert plain.opening == "Can you help me"
+
+
+async def fold_batches(batches: list[list[Message]], timeline_tokens: int) -> list[timeline.Line]:
+    summarizer = ExtractiveSummarizer(words)
+    text, start = "", 0
+    for batch in batches:
+        text = (await fold.fold_summary(summarizer, text, batch, start, max_tokens=600,
+                                        timeline_tokens=timeline_tokens)).text
+        start += len(batch)
+    return timeline.parse(text)[0]
+
+
+async def test_a_fold_of_short_messages_does_not_merge_a_grown_timeline_down() -> None:
+    """The budget is estimated from each fold's messages, and merges are not undone: a fold of
+    "ok" and "go on" between long ones leaves the timeline as long as it had grown, not at the floor."""
+    big = [replace(m, tokens=800) for m in long_session(32)]  # ~300K tokens: 1% holds all its task lines
+    head = [big[i:i + 10] for i in range(0, 360, 10)]
+    short = [msg("user" if j % 2 == 0 else "assistant", "ok", "2024-03-02T18:00:00") for j in range(10)]
+    plain = await fold_batches([*head, big[360:]], 200)
+    dipped = await fold_batches([*head, short, big[360:]], 200)
+    assert len(plain) >= 18 and len(dipped) >= len(plain)
+
+
+async def test_the_timeline_stops_growing_at_its_ceiling() -> None:
+    """However long the conversation, the timeline stays within MAX_TOKENS (it goes into every
+    rewritten request): past it, older lines merge, none is dropped."""
+    turns = [replace(m, tokens=1000) for m in long_session(120)]  # 1,440 messages of a coding agent's size
+    lines = await fold_batches([turns[i:i + 40] for i in range(0, len(turns), 40)], 200)
+    assert sum(words(ln.render()) + 1 for ln in lines) <= timeline.MAX_TOKENS
+    assert lines[0].first == 0 and lines[-1].last == len(turns) - 1
+    assert all(a.last + 1 == b.first for a, b in itertools.pairwise(lines))
+
+
+def test_a_task_line_ends_at_a_user_turn() -> None:
+    """An agent loop (a request, then many assistant and tool messages) is cut only where the user
+    speaks again: every line opens on a user message."""
+    turns = []
+    for k in range(4):
+        for j in range(27):  # a user turn, then 26 of the agent's
+            minute = 27 * k + j
+            role = "user" if j == 0 else "assistant"
+            when = f"2024-03-02T{12 + minute // 60:02d}:{minute % 60:02d}:00"
+            turns.append(replace(msg(role, f"Task {k}: step {j} of module_{k}.py.", when), tokens=300))
+    lines = timeline.extend([], turns, 0)
+    assert [(ln.first, ln.last) for ln in lines] == [(0, 26), (27, 53), (54, 80), (81, 107)]
+    assert all(turns[ln.first].role == "user" for ln in lines)
 
 
 def test_a_list_of_numbers_is_not_a_topic_but_a_number_is() -> None:
