@@ -98,21 +98,18 @@ async def test_a_warm_turn_costs_one_script_call_and_a_cold_one_two(redis_url: s
         assert stats["requests"] == 5
 
 
-async def test_a_pasted_file_is_counted_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
-    """Counting a new message's tokens takes ~0.1 µs a character: a pasted file is counted in a
-    thread, so the requests of every other conversation are not held meanwhile, and its count is the
-    same as counting it anywhere else."""
+def _where_counted(monkeypatch: Any, watched: str) -> list[bool]:
+    """For each time `watched` is counted afresh: was it on the event loop's thread?"""
     import asyncio
     import threading
 
     from gateway.tokens import TokenCounter
 
-    pasted = "\n".join(f"line {i}: value_{i} = compute({i}, mode='fast')" for i in range(2_000))
-    where: list[bool] = []  # counted on the event loop's thread?
+    where: list[bool] = []
     real = TokenCounter._fresh
 
     def spy(self: TokenCounter, enc: Any, text: str) -> int:
-        if text == pasted:
+        if text == watched:
             try:
                 asyncio.get_running_loop()
                 where.append(True)
@@ -121,6 +118,17 @@ async def test_a_pasted_file_is_counted_off_the_event_loop(redis_url: str, monke
         return real(self, enc, text)
 
     monkeypatch.setattr(TokenCounter, "_fresh", spy)
+    return where
+
+
+async def test_a_pasted_file_is_counted_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
+    """Counting a new message's tokens takes ~0.1 µs a character: a pasted file is counted in a
+    thread, so the requests of every other conversation are not held meanwhile, and its count is the
+    same as counting it anywhere else."""
+    from gateway.tokens import TokenCounter
+
+    pasted = "\n".join(f"line {i}: value_{i} = compute({i}, mode='fast')" for i in range(2_000))
+    where = _where_counted(monkeypatch, pasted)
     async with memory_gateway(redis_url) as g:
         history = [{"role": "user", "content": pasted}]
         await openai_turn(g, g.openai(), "pasted", history)
@@ -132,25 +140,10 @@ async def test_a_pasted_file_is_counted_off_the_event_loop(redis_url: str, monke
 async def test_a_long_reply_is_counted_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
     """A reply of a whole file (256 KB) is counted in a thread too, as a pasted file is: recording it
     does not hold the requests of every other conversation, and its stored count is the usual one."""
-    import asyncio
-    import threading
-
     from gateway.tokens import TokenCounter
 
     answer = "\n".join(f"line {i}: value_{i} = compute({i}, mode='fast')" for i in range(6_000))
-    where: list[bool] = []  # counted on the event loop's thread?
-    real = TokenCounter._fresh
-
-    def spy(self: TokenCounter, enc: Any, text: str) -> int:
-        if text == answer:
-            try:
-                asyncio.get_running_loop()
-                where.append(True)
-            except RuntimeError:
-                where.append(threading.current_thread() is threading.main_thread())
-        return real(self, enc, text)
-
-    monkeypatch.setattr(TokenCounter, "_fresh", spy)
+    where = _where_counted(monkeypatch, answer)
     async with memory_gateway(redis_url, reply=answer) as g:
         await openai_turn(g, g.openai(), "long-reply", [{"role": "user", "content": "the whole file, please"}])
         stored = (await g.api("GET", "long-reply/messages"))[1]["data"]
