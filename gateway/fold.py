@@ -244,9 +244,9 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
 
     Only the Recent section is rewritten with the new messages; the cap is applied after each
     chunk, so no intermediate summary grows without bound either. The timeline ahead of it
-    (timeline.py: a line per session or task, within `timeline_tokens` or a share of what it covers;
-    0 leaves it as it is) is
-    extended locally, whatever the summarizer: off the event loop unless already off it.
+    (timeline.py: a line per session or task, within `timeline_tokens` or a share of what it
+    covers, `timeline.budget`; 0 leaves it as it is) is extended locally, whatever the summarizer:
+    off the event loop unless already off it.
     """
     lines, text = timeline.parse(previous)
     if "tool:" in text:
