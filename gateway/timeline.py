@@ -50,6 +50,7 @@ MAX_TOKENS = 4000
 TERMS = 10  # salient terms a line keeps
 DECISIONS = 2  # decided/changed statements a line keeps
 OPENING_WORDS = 14
+OPENING_MIN = 8  # words a sentence that is not a statement or question needs to open a line
 DECISION_WORDS = 14
 
 # Names, identifiers, versions, numbers, paths: a term is a token holding a digit or a joiner
@@ -203,10 +204,13 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
         sentences = state.sentences(text)
         if turn.role == "user":
             if not current.opening:
-                # What was asked: the first statement or question that names something ("Here's my
-                # code:" or "Can you help me fix this?" says nothing of the task), else the first.
+                # What was asked: the first sentence that names something and says more than a
+                # greeting ("Here's my code:" or "Can you help me fix this?" says nothing of the task;
+                # "I'm trying to add JWT v9.0.0, but I'm stuck" does, complaint or not), else the
+                # first statement or question.
                 asked = [s for s in sentences if state.is_statement(s) or s.endswith("?")]
-                opening = next((s for s in asked if _terms(s)), asked[0] if asked else "")
+                opening = next((s for s in sentences if _terms(s) and (s in asked or len(s.split()) >= OPENING_MIN)),
+                               asked[0] if asked else "")
                 current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
             current.counts.update(_terms(text))
         # As the state reads them: the same sentences, the same decisions.

@@ -144,6 +144,11 @@ def test_a_line_opens_on_what_was_asked_not_a_bare_request_for_help() -> None:
     assert line.opening == "I upgraded to Flask 2.3.3 and the /predict endpoint returns 500"
     (plain,) = timeline.extend([], [msg("user", "Can you help me? It is slow.", "2024-03-02T10:00:00")], 0)
     assert plain.opening == "Can you help me"
+    # A complaint that names the task says what was asked; a greeting with a name does not.
+    stuck = msg("user", "Hi Claude! I'm trying to add JWT v9.0.0 to my chat app, but I'm having trouble with "
+                "the expiry. Can you help me with that?", "2024-03-02T10:00:00")
+    (line,) = timeline.extend([], [stuck], 0)
+    assert line.opening.startswith("I'm trying to add JWT v9.0.0 to my chat app")
 
 
 async def fold_batches(batches: list[list[Message]], timeline_tokens: int) -> list[timeline.Line]:
