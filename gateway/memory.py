@@ -487,14 +487,19 @@ class Memory:
         return Message(raw=raw, role=dialect.role(raw), text=text,
                        tokens=self.tokens.count_message(text, model), hash=h, time=when or _now())
 
+    async def _precount(self, text: str, model: str | None) -> None:
+        """A pasted file's count, taken in a thread (tiktoken lets go of the interpreter lock while it
+        encodes) and cached for `_message`'s: on the event loop it would hold every conversation."""
+        if len(text) > COUNT_OFF_LOOP:
+            await asyncio.to_thread(self.tokens.count, text, model)
+
     async def _replies(self, dialect: Dialect, items: list[dict[str, Any]], model: str | None,
                        when: str | None) -> list[Message]:
-        """The reply's messages, a long one counted in a thread as a pasted file is (`_logical`)."""
+        """The reply's messages, a long one counted off the event loop as a pasted file is."""
         out = []
         for raw in items:
             text = dialect.text(raw)
-            if len(text) > COUNT_OFF_LOOP:
-                await asyncio.to_thread(self.tokens.count, text, model)
+            await self._precount(text, model)
             out.append(self._message(dialect, raw, content_hash(dialect, raw), model, when, text))
         return out
 
@@ -510,10 +515,7 @@ class Memory:
                 await asyncio.sleep(0)
             for i in range(start, min(start + COUNT_SLICE, len(history))):
                 text = dialect.text(history[i])
-                if len(text) > COUNT_OFF_LOOP:
-                    # A pasted file: counted in a thread (tiktoken lets go of the interpreter lock
-                    # while it encodes), and cached for the count below.
-                    await asyncio.to_thread(self.tokens.count, text, model)
+                await self._precount(text, model)
                 new.append(self._message(dialect, history[i], hashes[i], model, now, text))
         for t, c in zip(new, chains[decision.new_from:], strict=False):
             t.chain = c
