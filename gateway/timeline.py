@@ -208,9 +208,17 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
                 # greeting ("Here's my code:" or "Can you help me fix this?" says nothing of the task;
                 # "I'm trying to add JWT v9.0.0, but I'm stuck" does, complaint or not), else the
                 # first statement or question.
-                asked = [s for s in sentences if state.is_statement(s) or s.endswith("?")]
-                opening = next((s for s in sentences if _terms(s) and (s in asked or len(s.split()) >= OPENING_MIN)),
-                               asked[0] if asked else "")
+                # One pass, stopping at the first that names something: a pasted page has up to
+                # MAX_SENTENCES of them.
+                opening = first_asked = ""
+                for sentence in sentences:
+                    asked = state.is_statement(sentence) or sentence.endswith("?")
+                    if asked and not first_asked:
+                        first_asked = sentence
+                    if (asked or len(sentence.split()) >= OPENING_MIN) and _terms(sentence):
+                        opening = sentence
+                        break
+                opening = opening or first_asked
                 current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
             current.counts.update(_terms(text))
         # As the state reads them: the same sentences, the same decisions.
