@@ -98,8 +98,8 @@ async def test_a_warm_turn_costs_one_script_call_and_a_cold_one_two(redis_url: s
         assert stats["requests"] == 5
 
 
-def _where_counted(monkeypatch: Any, watched: str) -> list[bool]:
-    """For each time `watched` is counted afresh: was it on the event loop's thread?"""
+def _where_counted(monkeypatch: Any, *watched: str) -> list[bool]:
+    """For each time one of `watched` is counted afresh: was it on the event loop's thread?"""
     import asyncio
     import threading
 
@@ -109,7 +109,7 @@ def _where_counted(monkeypatch: Any, watched: str) -> list[bool]:
     real = TokenCounter._fresh
 
     def spy(self: TokenCounter, enc: Any, text: str) -> int:
-        if text == watched:
+        if text in watched:
             try:
                 asyncio.get_running_loop()
                 where.append(True)
@@ -135,6 +135,23 @@ async def test_a_pasted_file_is_counted_off_the_event_loop(redis_url: str, monke
         stored = (await g.api("GET", "pasted/messages"))[1]["data"]
     assert where == [False]  # counted once, in a worker thread
     assert stored[0]["tokens"] == TokenCounter({}).count_message(pasted)
+
+
+async def test_an_import_of_many_messages_is_counted_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
+    """A first request carrying a long history counts it in a thread even when no one message is
+    long: 300 messages of 2 KB each are 600 KB to tokenise (tens of ms), which on the event loop
+    would hold every other conversation. The stored counts are the usual ones."""
+    from gateway.tokens import TokenCounter
+
+    texts = [f"message {i}: " + " ".join(f"word{i}_{j}" for j in range(250)) for i in range(300)]
+    assert all(2_000 < len(t) < 4_000 for t in texts)
+    where = _where_counted(monkeypatch, *texts)
+    async with memory_gateway(redis_url) as g:
+        history = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+        await openai_turn(g, g.openai(), "imported", history)
+        stored = (await g.api("GET", "imported/messages?limit=1000"))[1]["data"]
+    assert where == [False] * len(texts)  # each counted once, in a worker thread
+    assert [m["tokens"] for m in stored[:300]] == [TokenCounter({}).count_message(t) for t in texts]
 
 
 async def test_a_long_reply_is_counted_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
