@@ -185,7 +185,7 @@ class Proxy:
             # A conversation's resent history is parsed only around what its last request held.
             key = (ident.tenant, rec.conversation, dialect.name) if remember and rec.conversation else None
             try:
-                body = self.bodies.loads(key, raw, dialect.history_field)
+                body = await self.bodies.aloads(key, raw, dialect.history_field)
             except orjson.JSONDecodeError as exc:
                 raise GatewayError(400, None, f"request body is not valid JSON: {exc}") from None
             if not isinstance(body, dict):

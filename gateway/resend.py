@@ -32,6 +32,7 @@ in place (nothing in the gateway does: the rewrite renders new lists and dicts).
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import time
@@ -64,13 +65,30 @@ _MAX_AROUND_BYTES = 256 << 10
 HOT_SECONDS = 30.0
 SEEN_KEYS = 4096  # conversations whose last request (not learned) is remembered for that
 _SAMPLES, _SLICE_BYTES = 4, 4 << 10  # estimate_held reads 16 KB of a body, from 4 places
+# Bodies of more bytes, not parsed around known items, are parsed a history item at a time with the
+# event loop served between them (`_split`): orjson takes about 1 ms a megabyte, all at once.
+SPLIT_BYTES = 1 << 20
+_SPLIT_YIELD = 256 << 10  # bytes read between two turns of the event loop
+# Tokens `_split` reads (a Python step each, ~0.3 µs) per memory.max_parts before it parses whole:
+# a history of millions of tiny values is cheaper in one orjson call than in Python steps.
+SPLIT_TOKENS_PER_PART = 64
+# What `_split` reads: a string's opening quote (`_string_end` finds its end, so brackets quoted in
+# text are skipped), brackets, and scalars (a history item may be one).
+_TOKEN = re.compile(rb'["\[\]{}]|[-0-9tfn][-+.0-9a-zA-Z]*')
+_QUOTE_STEPS = 4  # escaped quotes in a string read one by one before it is read in windows
+_GAP = re.compile(rb'[ \t\r\n]*,[ \t\r\n]*')
+_TRAIL = re.compile(rb'[ \t\r\n]*')
+_MAX_DEPTH = 1024  # orjson's: deeper is parsed whole, and refused at once
+_OPENERS, _CLOSERS = frozenset(b"[{"), frozenset(b"]}")
 # This interpreter's object headers (a str's is 49 bytes on 3.11, 41 on 3.12).
 _STR, _DICT, _LIST = sys.getsizeof(""), sys.getsizeof({"role": 0, "content": 0}), sys.getsizeof([])
 
 
 @dataclass(frozen=True, slots=True)
 class _Known:
-    items_raw: bytes  # the history items' bytes, from the first one's start to the last one's end
+    # The history items' bytes, from the first one's start to the last one's end: a view of the body
+    # they came in (a copy of a long history held the event loop ~10 ms per 30 MB, on every request).
+    items_raw: memoryview
     items: tuple[Any, ...]  # what they parse to
     used: float  # monotonic time of the last body parsed around them
     size: int  # bytes held: the raw bytes and the parsed objects
@@ -120,8 +138,10 @@ class ResendParser:
     bytes they hold, parsed objects included)."""
 
     def __init__(self, max_bytes: int = 64 << 20, min_bytes: int = 16 << 10,
-                 clock: Callable[[], float] = time.monotonic, max_parts: int = 20_000) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_parts: int = 20_000,
+                 split_bytes: int = SPLIT_BYTES) -> None:
         self.max_bytes = max_bytes
+        self.split_bytes = split_bytes  # longer bodies are read an item at a time by `aloads`
         self.max_parts = max_parts  # memory.max_parts: a history of more is relayed, never remembered
         self.min_bytes = min_bytes  # smaller bodies parse in a few microseconds: not worth remembering
         self.clock = clock
@@ -146,6 +166,33 @@ class ResendParser:
             self._seen[key] = now
             if len(self._seen) > SEEN_KEYS:
                 self._seen.popitem(last=False)
+        return body
+
+    async def aloads(self, key: Hashable | None, raw: bytes, field: str) -> Any:
+        """`loads`, with a long body that is not parsed around known items read a history item at a
+        time (`_split`): one orjson call over all of it would hold every other request meanwhile."""
+        if len(raw) < self.split_bytes:
+            return self.loads(key, raw, field)
+        known = self._known.get(key) if key is not None else None
+        if known is not None:
+            body = self._resent(key, known, raw, field)
+            if body is not None:
+                return body
+        split = await _split(raw, field, SPLIT_TOKENS_PER_PART * self.max_parts)
+        if split is None:
+            return self.loads(key, raw, field)
+        body, start, end, items = split
+        if key is not None:
+            previous = self._seen.pop(key, None)
+            self._forget(key)
+            if self._room(estimate_held(raw), previous) and not parts_over(items, self.max_parts):
+                size = end - start + held(items)
+                if self._room(size, previous):
+                    self._put(key, _Known(memoryview(raw)[start:end], tuple(items), self.clock(), size))
+            if key not in self._known:
+                self._seen[key] = self.clock()
+                if len(self._seen) > SEEN_KEYS:
+                    self._seen.popitem(last=False)
         return body
 
     def _resent(self, key: Hashable, known: _Known, raw: bytes, field: str) -> dict[str, Any] | None:
@@ -181,7 +228,7 @@ class ResendParser:
                 self._forget(key)
             else:
                 size = known.size + end + held(new)
-                self._put(key, _Known(raw[at: at + len(known.items_raw) + end], items, self.clock(), size))
+                self._put(key, _Known(memoryview(raw)[at: at + len(known.items_raw) + end], items, self.clock(), size))
         return body
 
     def _learn(self, key: Hashable, raw: bytes, body: Any, field: str, previous: float | None = None) -> None:
@@ -202,7 +249,7 @@ class ResendParser:
         if end is not None:
             size = end - start + held(items)
             if self._room(size, previous):
-                self._put(key, _Known(raw[start:end], tuple(items), self.clock(), size))
+                self._put(key, _Known(memoryview(raw)[start:end], tuple(items), self.clock(), size))
 
     def _room(self, size: int, previous: float | None = None) -> bool:
         """Would `size` more bytes fit, evicting only conversations not used for HOT_SECONDS, or not
@@ -233,6 +280,125 @@ class ResendParser:
         old = self._known.pop(key, None)
         if old is not None:
             self._bytes -= old.size
+
+
+async def _split(raw: bytes, field: str, max_tokens: int) -> tuple[dict[str, Any], int, int, list[Any]] | None:
+    """`orjson.loads(raw)` read one history item at a time, the event loop served every
+    _SPLIT_YIELD bytes: (the body, where its history items begin and end in `raw`, the items).
+    None when the body is not of the shape read here (then it is parsed whole): no history array
+    near its start, other members after it that are far from the end or hold `\\u0000`, more than
+    `max_tokens` strings, brackets and scalars in the history (the CPU it may take, as Python steps),
+    or nesting deeper than orjson takes.
+
+    Why the body is the same: each item is parsed by orjson from its own bytes, which in a valid
+    body are found by matching brackets outside strings; the bytes between items must be a comma
+    and white space; the members around the history are parsed as `_resent` parses them. An item
+    orjson refuses is a body it refuses: that item's error is raised (its offset given in the
+    body), without parsing the rest."""
+    start = _items_start(raw, field)
+    if start is None:
+        return None
+    head = _head(raw[:start], field)
+    if head is None:
+        return None
+    items: list[Any] = []
+    depth = 0
+    begin = prev = pos = start  # where the current item began; where the last one ended; the scan
+    first = True
+    pause = start + _SPLIT_YIELD
+    search = _TOKEN.search
+    for _ in range(max_tokens):
+        m = search(raw, pos)
+        if m is None:
+            return None
+        at, pos = m.start(), m.end()
+        c = raw[at]
+        if c == 34:  # '"': a quote not after a backslash closes it (the usual string, read here)
+            q = raw.find(b'"', pos)
+            pos = q + 1 if q > 0 and raw[q - 1] != 92 else await _string_end(raw, at)
+            if pos < 0:
+                return None
+        if depth == 0:
+            if c == 93:  # "]": the history's end
+                if _TRAIL.fullmatch(raw, prev, at) is None:  # (after the last item, or `[`)
+                    return None
+                break
+            if (_TRAIL if first else _GAP).fullmatch(raw, prev, at) is None or c == 125:
+                return None
+            first = False
+            if c in _OPENERS:
+                begin, depth = at, 1
+            else:  # a string or a scalar: an item by itself
+                items.append(_item(raw, at, pos))
+                prev = pos
+        elif c in _OPENERS:
+            depth += 1
+            if depth > _MAX_DEPTH:
+                return None
+        elif c in _CLOSERS:
+            depth -= 1
+            if depth == 0:
+                items.append(_item(raw, begin, pos))
+                prev = pos
+        if pos > pause:
+            await asyncio.sleep(0)
+            pause = pos + _SPLIT_YIELD
+    else:
+        return None
+    tail = raw[at:]
+    if len(tail) > _MAX_AROUND_BYTES or _NUL in tail:
+        return None
+    try:
+        doc = orjson.loads(_OPEN + tail)
+    except orjson.JSONDecodeError:
+        return None
+    if doc.pop(_SENTINEL) != [0]:
+        return None
+    body = head
+    body[field] = items
+    body.update(doc)  # a second history member after the first one wins, as in a whole parse
+    return body, start, prev, items
+
+
+async def _string_end(raw: bytes, at: int) -> int:
+    """The offset just past the JSON string that opens at `at`; -1 if it does not close. Read at
+    memchr speed (a regex reads a string a byte at a time, ~2.5 ns each): the first quote after
+    an even run of backslashes closes it. Past _QUOTE_STEPS escaped quotes, or a long run of
+    backslashes, in windows of the string with its escaped backslashes, then its escaped quotes,
+    blanked (left to right, as a JSON reader pairs them): there, the first quote closes it. The
+    loop is served between long windows."""
+    q = at
+    for _ in range(_QUOTE_STEPS):
+        q = raw.find(b'"', q + 1)
+        if q < 0:
+            return -1
+        run = 0
+        while raw[q - 1 - run] == 92 and run < _QUOTE_STEPS:  # (raw[at] is a quote: the run stops there)
+            run += 1
+        if run == _QUOTE_STEPS:
+            break
+        if run % 2 == 0:
+            return q + 1
+    pos, size = at + 1, 4 << 10
+    while True:
+        window = raw[pos: pos + size].replace(b"\\\\", b"__").replace(b'\\"', b"__")
+        q = window.find(b'"')
+        if q >= 0:
+            return pos + q + 1
+        if pos + len(window) >= len(raw):
+            return -1
+        # A backslash left last opens an escape that the next window must begin with.
+        pos += len(window) - window.endswith(b"\\")
+        if size == _SPLIT_YIELD:
+            await asyncio.sleep(0)
+        size = min(2 * size, _SPLIT_YIELD)
+
+
+def _item(raw: bytes, start: int, end: int) -> Any:
+    try:
+        return orjson.loads(memoryview(raw)[start:end])  # (a slice would copy it first)
+    except orjson.JSONDecodeError as exc:
+        raise orjson.JSONDecodeError(f"{exc.msg} (in the history item at byte {start})", exc.doc, exc.pos) from None
 
 
 def _head(head: bytes, field: str) -> dict[str, Any] | None:

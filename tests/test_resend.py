@@ -281,3 +281,106 @@ def test_a_history_of_more_parts_than_the_memory_path_takes_is_never_remembered(
     history.append({"role": "user", "content": parts})
     assert parser.loads("d", _body(history), "messages") == orjson.loads(_body(history))
     assert "d" not in parser._known
+
+
+# --- long bodies, read a history item at a time (`aloads`) -------------------------------------
+
+
+def _aloads(parser: ResendParser, key: Any, raw: bytes) -> Any:
+    import asyncio
+
+    return asyncio.run(parser.aloads(key, raw, "messages"))
+
+
+def _split_whole(raw: bytes) -> Any:
+    """What the item-by-item reader alone makes of `raw` (None: it would be parsed whole)."""
+    import asyncio
+
+    from gateway.resend import _split
+
+    return asyncio.run(_split(raw, "messages", 1 << 20))
+
+
+def _same_as_orjson(parser: ResendParser, key: Any, raw: bytes) -> None:
+    """`aloads` returns what orjson returns, or raises where orjson raises."""
+    try:
+        expected = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            _aloads(parser, key, raw)
+        return
+    assert _aloads(parser, key, raw) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.dictionaries(st.sampled_from(["model", "system", "a]", "tools"]), _json_value, max_size=2),
+    after=st.dictionaries(st.sampled_from(["stream", "tools", "max_tokens", "model"]), _json_value, max_size=3),
+    items=st.lists(_json_value, max_size=5),
+    indent=st.sampled_from([None, 1]),
+    cut=st.integers(0, 40),
+    insert=st.sampled_from([b"", b",", b"]", b"}", b"\\", b'"', b"1", b"x", b" "]),
+)
+def test_a_long_body_read_item_by_item_parses_as_orjson_parses_it(
+        before: dict[str, Any], after: dict[str, Any], items: list[Any], indent: int | None, cut: int,
+        insert: bytes) -> None:
+    """Any body (items of any JSON type, strings of quotes, brackets and backslashes, members around
+    the history), whole or with a byte changed: the same value, or an error, as orjson gives."""
+    members = {**before, "messages": items, **{k: v for k, v in after.items() if k not in before}}
+    raw = json.dumps(members, indent=indent, ensure_ascii=False).encode()
+    _same_as_orjson(ResendParser(min_bytes=0, split_bytes=0), "c", raw)
+    if b"\\u0000" not in raw:  # (the one sign, beside size, that sends a valid body to the whole parse)
+        assert _split_whole(raw)[0] == orjson.loads(raw)
+    at = len(raw) - 1 - min(cut, len(raw) - 1)
+    _same_as_orjson(ResendParser(min_bytes=0, split_bytes=0), "c", raw[:at] + insert + raw[at + 1:])
+
+
+@pytest.mark.parametrize("run", [1, 2, 3, 7, 8, 200])
+@pytest.mark.parametrize("escaped_quotes", [0, 3, 300])
+def test_strings_of_escapes_across_window_edges_end_where_json_says(run: int, escaped_quotes: int) -> None:
+    """A string is read in windows once it has many escaped quotes or a long run of backslashes: a
+    run of backslashes that a window's edge cuts, then a quote, ends it only if the run is even."""
+    for edge in (4096, 4096 + 8192, 4096 + 8192 + 16384):
+        for shift in range(-3, 4):
+            text = '"x' * escaped_quotes
+            text += "a" * max(0, edge + shift - len(json.dumps(text)) + 1) + "\\" * run + '" tail ]} \\'
+            raw = _body([_message(0, text), _message(1)], stream=True)
+            _same_as_orjson(ResendParser(min_bytes=0, split_bytes=0), "c", raw)
+            assert _split_whole(raw)[0]["messages"][0]["content"] == text
+
+
+def test_a_long_first_body_is_parsed_with_the_event_loop_served_meanwhile() -> None:
+    """A 12 MB first body (600 messages) is not parsed in one call that holds every other request:
+    other tasks run while it is read, and the next request's resend is parsed around it."""
+    import asyncio
+
+    history = [_message(i, f"message {i}: " + "lorem ipsum dolor sit amet " * 740) for i in range(600)]
+    raw = _body(history, stream=True)
+    assert len(raw) > 12_000_000
+    parser = ResendParser(max_bytes=256 << 20)
+    turns = 0
+
+    async def main() -> tuple[Any, Any]:
+        nonlocal turns
+        done = False
+
+        async def other() -> None:
+            nonlocal turns
+            while not done:
+                await asyncio.sleep(0)
+                turns += 1
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        turns = 0
+        first = await parser.aloads("c", raw, "messages")
+        done = True
+        await task
+        again = await parser.aloads("c", _body([*history, _message(600)], stream=True), "messages")
+        return first, again
+
+    first, again = asyncio.run(main())
+    assert first == orjson.loads(raw)
+    assert turns >= 40  # served at least every 256 KB of the 12 MB (at every item, here)
+    assert again["messages"][0] is first["messages"][0]  # learned: the resend reuses the parsed items
+    assert again["messages"][-1] == _message(600)
