@@ -365,8 +365,9 @@ class Memory:
         arrived = time.monotonic()
         when = _client_time(call.headers)
         try:
-            hashes, chains = self.caches.hashes(ref, dialect, history,
-                                                partial(_check, dialect, call.body, history, mem.max_parts))
+            hashes, chains = await self.caches.hashes(ref, dialect, history,
+                                                      partial(_check, dialect, call.body, history, mem.max_parts),
+                                                      len(call.raw))
         except _TooManyParts:
             log.warning("memory.too_many_parts", conversation=ref.conversation, limit=mem.max_parts)
             await self._refuse_if_delta(ref, dialect, history,

@@ -168,3 +168,34 @@ async def test_a_long_reply_is_counted_off_the_event_loop(redis_url: str, monkey
     assert where == [False]
     assert stored[1]["message"]["content"] == answer
     assert stored[1]["tokens"] == TokenCounter({}).count_message(answer)
+
+
+async def test_a_long_new_history_is_hashed_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
+    """Each new message is canonicalised and hashed (about 5 ms a megabyte): a first request that
+    brings 600 KB of history does that in a thread, so every other conversation is served
+    meanwhile, while a resend that adds one turn hashes it in place. The resend is taken as the
+    same conversation going on: every message is stored once, in order."""
+    import threading
+
+    import gateway.caches
+
+    threads: list[bool] = []
+    real = gateway.caches.content_hash
+
+    def spy(dialect: Any, raw: dict[str, Any]) -> str:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(dialect, raw)
+
+    monkeypatch.setattr(gateway.caches, "content_hash", spy)
+    texts = [f"message {i}: " + " ".join(f"word{i}_{j}" for j in range(250)) for i in range(300)]
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+    async with memory_gateway(redis_url) as g:
+        _, reply = await openai_turn(g, g.openai(), "imported", history)
+        first = list(threads)
+        threads.clear()
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+        await openai_turn(g, g.openai(), "imported", history)
+        stored = (await g.api("GET", "imported/messages?limit=1000"))[1]["data"]
+    assert first == [False] * 300  # all in a worker thread
+    assert threads == [True, True]  # a resend's reply and new turn: on the loop (a thread hop costs more)
+    assert [m["message"] for m in stored] == [*history, {"role": "assistant", "content": reply}]
