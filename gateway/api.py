@@ -118,7 +118,8 @@ class ConversationAPI:
 
     async def _json(self, request: web.Request) -> Any:
         try:
-            return orjson.loads(await read_body(request, self.settings.server.body_timeout_seconds))
+            server = self.settings.server
+            return orjson.loads(await read_body(request, server.body_timeout_seconds, server.max_body_bytes))
         except orjson.JSONDecodeError as exc:
             raise GatewayError(400, "invalid_request_error", f"body is not valid JSON: {exc}") from exc
 

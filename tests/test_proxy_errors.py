@@ -84,6 +84,35 @@ async def test_body_too_large(gateway: str, fake: FakeUpstream) -> None:
     assert fake.requests == []
 
 
+async def test_a_chunked_body_over_the_limit_is_a_413_too(gateway: str, fake: FakeUpstream) -> None:
+    """Without a Content-Length the limit holds as the body arrives: a 413, nothing forwarded."""
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "m", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    status, _, body = await call(gateway + "/v1/chat/completions", data=chunks(), headers=JSON)
+    assert status == 413 and openai_shaped(body)
+    assert fake.requests == []
+
+
+async def test_a_long_body_in_many_pieces_is_forwarded_byte_for_byte(fake: FakeUpstream) -> None:
+    """A 6 MB body sent in 64 KB pieces (joined in a thread) reaches the upstream as it was sent."""
+    text = "".join(f"line {i}: value_{i} = compute({i})\\n" for i in range(200_000))
+    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + text.encode() + b'"}]}'
+    assert len(big) > 6_000_000
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+
+    async with serve_app(create_app(fake.settings(), memory=False)) as url:
+        status, _, body = await call(url + "/v1/chat/completions", data=chunks(), headers=JSON)
+    assert status == 200, body
+    assert fake.requests[0].raw == big
+
+
 async def test_unknown_route_in_callers_dialect(gateway: str) -> None:
     """A path outside /v1 is a 404, shaped by anthropic-version when present."""
     status, _, body = await call(gateway + "/v2/whatever", "GET")
