@@ -137,6 +137,11 @@ class AppendResult:
     summarizer: dict[str, int] = field(default_factory=dict)  # summarizer_tokens_in/out/charged stats
 
 
+# Records of more bytes are encoded and parsed in a thread, and commands of more are packed without
+# copying their arguments (~5-10 ms a megabyte of CPU that would hold the event loop).
+OFF_LOOP_BYTES = 1 << 20
+
+
 def _s(value: bytes | None) -> str | None:
     return None if value is None else value.decode()
 
@@ -145,6 +150,14 @@ def _turn(record: bytes) -> Message:
     d = orjson.loads(record)
     return Message(raw=d[RECORD_RAW], role=d[RECORD_ROLE], text=d[RECORD_TEXT], tokens=d[RECORD_TOKENS],
                 hash=d[RECORD_HASH], chain=d[RECORD_CHAIN], time=d.get(RECORD_TIME))
+
+
+async def _turns(records: Sequence[bytes]) -> list[Message]:
+    """The stored records parsed; many megabytes of them in a thread (one record at a time there,
+    so the event loop gets the interpreter between them): a 30 MB conversation's load held it 80 ms."""
+    if sum(map(len, records)) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(lambda: [_turn(r) for r in records])
+    return [_turn(r) for r in records]
 
 
 def _record(turn: Message) -> bytes:
@@ -172,6 +185,13 @@ def _turn_args(turns: Sequence[Message]) -> list[bytes | str | int]:
         args.append(t.hash)
         args.append(_record(t))
     return args
+
+
+async def _turn_args_of(turns: Sequence[Message]) -> list[bytes | str | int]:
+    """`_turn_args`, for many megabytes of turns in a thread (as `_turns`)."""
+    if sum(len(t.text) for t in turns) > OFF_LOOP_BYTES // 2:  # (each record holds the text twice)
+        return await asyncio.to_thread(_turn_args, turns)
+    return _turn_args(turns)
 
 
 class _Script:
@@ -270,8 +290,8 @@ class Store:
         if summ[1] is not None:
             summary = Summary(text=summ[1].decode(), covers=covers, version=int(summ[0] or 0),
                               tokens=int(summ[3] or 0), chain=(summ[4] or b"").decode())
-        head_turns = [_turn(r) for r in first]
-        tail_turns = [_turn(r) for r in tail]
+        head_turns = await _turns(first)
+        tail_turns = await _turns(tail)
         if head > covers:  # the rest of the head is in the tail: not sent twice
             head_turns.extend(tail_turns[: min(head, length) - covers])
         return ConversationView(
@@ -319,7 +339,7 @@ class Store:
             raise ValueError("base_length must be >= 0")
         keys, sk = self._write_keys(ref)
         args = [self.ttl, base_length, base_chain, dialect, sk, len(turns) if own is None else own, client,
-                *_stat_args(stats), *_turn_args(turns)]
+                *_stat_args(stats), *await _turn_args_of(turns)]
         with _guard:
             res = await self._append(keys=keys, args=args)
         return _result(res)
@@ -331,7 +351,7 @@ class Store:
         if at < 0:
             raise ValueError("at must be >= 0")
         keys, sk = self._write_keys(ref)
-        args = [self.ttl, at, base_chain, dialect, sk, *_stat_args(stats), *_turn_args(turns)]
+        args = [self.ttl, at, base_chain, dialect, sk, *_stat_args(stats), *await _turn_args_of(turns)]
         with _guard:
             res = await self._branch(keys=keys, args=args)
         return _result(res)
@@ -350,7 +370,7 @@ class Store:
         with _guard:
             raw: Any = await self.redis.lrange(
                 self.keys.msgs(ref), start, -1 if stop is None else stop - 1)
-        return [_turn(r) for r in raw]
+        return await _turns(raw)
 
     async def branches(self, ref: ConvRef) -> list[dict[str, Any]]:
         """The abandoned branches, oldest first: {id, at, chain, start, count, time, tokens} (lua.BRANCH)."""
@@ -368,7 +388,7 @@ class Store:
         first = int(branch["start"])
         with _guard:
             raw: Any = await self.redis.lrange(self.keys.abandoned(ref), first + start, first + stop - 1)
-        return [_turn(r) for r in raw]
+        return await _turns(raw)
 
     # ---- summary ---------------------------------------------------------------------------
 
@@ -691,6 +711,10 @@ class _HiredisPacking:
     _packer = HiredisRespSerializer()
 
     def pack_command(self, *args: Any) -> list[bytes]:
+        if sum(len(a) for a in args if isinstance(a, (bytes, str))) > OFF_LOOP_BYTES:
+            # hiredis packs a command into one buffer: for a 30 MB append, a copy that held the event
+            # loop ~100 ms. redis-py's packer sends long arguments as they are, uncopied.
+            return cast(list[bytes], super().pack_command(*args))  # type: ignore[misc]
         return cast(list[bytes], self._packer.pack(*args))
 
 

@@ -586,6 +586,34 @@ async def test_commands_are_packed_by_hiredis_into_the_same_bytes(redis_url: str
         await store.close()
 
 
+async def test_a_long_command_is_packed_without_copying_its_long_arguments(redis_url: str) -> None:
+    """Packing a multi-megabyte append into one buffer would hold the event loop while it copies:
+    its long arguments are sent as they are, the bytes on the wire the same."""
+    from redis.asyncio.connection import Connection
+
+    store = await open_store(StoreSettings(url=redis_url))
+    try:
+        conn = store.redis.connection_pool.make_connection()
+        record = b'{"k":12,"x":"' + b"y" * (2 << 20) + b'"}'
+        args = ("EVALSHA", "a" * 40, 2, "gw:{t:c}:meta", "gw:{t:c}:msgs", 0, "\u00e9t\u00e9", record, "short")
+        packed = conn.pack_command(*args)
+        assert b"".join(packed) == b"".join(Connection().pack_command(*args))
+        assert any(part is record for part in packed)
+    finally:
+        await store.close()
+
+
+async def test_turns_of_many_megabytes_are_stored_and_loaded_whole(store: Store) -> None:
+    """An import of 2,000 messages of 2 KB and one of 3 MB (records encoded, parsed and packed off
+    the event loop past a megabyte) is stored and read back exactly, in order."""
+    items = [turn(f"m{i} " + "lorem ipsum " * 170, "user" if i % 2 == 0 else "assistant") for i in range(2000)]
+    items.append(turn("x" * (3 << 20) + "\u00e9"))
+    await fill(store, REF, items)
+    view = await store.load(REF)
+    assert [(t.text, t.raw, t.hash) for t in view.tail] == [(t.text, t.raw, t.hash) for t in items]
+    assert [t.text for t in await store.messages(REF, 1990)] == [t.text for t in items[1990:]]
+
+
 async def test_memory_lua_has_redis_sha1hex_as_redis_does(redis_url: str) -> None:
     """memory://'s Lua gets `redis.sha1hex` (added through fakeredis's private runtime), equal to Redis's."""
     script = "return redis.sha1hex(ARGV[1])"
