@@ -272,17 +272,60 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
+@dataclass(frozen=True, slots=True)
+class _Slices:
+    """Stands, in a call's arguments, for a list of messages sent after them: `count` frames, each
+    a slice of _SLICE messages pickled."""
+
+    count: int
+
+
+_SLICE = 64
+
+
+def _frames(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[bytes]:
+    """A call as frames for the socket: (fn, args), then each long message list's slices. Run in a
+    thread: one pickle.dumps over a fold of megabytes would hold the interpreter lock throughout
+    (the event loop with it); between slices the loop gets its turn."""
+    head: list[Any] = []
+    tails: list[bytes] = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and len(a) > _SLICE and isinstance(a[0], Message):
+            pieces = [pickle.dumps(list(a[i:i + _SLICE]), protocol=pickle.HIGHEST_PROTOCOL)
+                      for i in range(0, len(a), _SLICE)]
+            head.append(_Slices(len(pieces)))
+            tails += pieces
+        else:
+            head.append(a)
+    first = pickle.dumps((fn, tuple(head)), protocol=pickle.HIGHEST_PROTOCOL)
+    return [_HEADER.pack(len(f)) + f for f in (first, *tails)]
+
+
+def _recv_frame(sock: socket.socket) -> bytes | None:
+    header = _recv_exactly(sock, _HEADER.size)
+    return None if header is None else _recv_exactly(sock, _HEADER.unpack(header)[0])
+
+
 def _serve_child(sock: socket.socket, settings: Settings) -> None:
     """A fold process: initialise, then answer one call at a time until the gateway's end closes
     (or the gateway stops reading: an answer nobody waits for ends the process quietly)."""
     _start_child(settings)
     with sock, contextlib.suppress(OSError):
-        while (header := _recv_exactly(sock, _HEADER.size)) is not None:
-            body = _recv_exactly(sock, _HEADER.unpack(header)[0])
-            if body is None:
-                return
+        while (body := _recv_frame(sock)) is not None:
+            # (What the gateway pickled unpickles here: the same code. Were it not to, the frames
+            # after it could not be told from the next call's, and the process ends instead.)
+            fn, args = pickle.loads(body)
+            parts: list[bytes] = []
+            for a in args:
+                for _ in range(a.count if isinstance(a, _Slices) else 0):
+                    part = _recv_frame(sock)
+                    if part is None:
+                        return
+                    parts.append(part)
             try:
-                fn, args = pickle.loads(body)
+                slices = iter(parts)
+                args = [[m for _ in range(a.count) for m in pickle.loads(next(slices))]
+                        if isinstance(a, _Slices) else a for a in args]
                 answer = pickle.dumps((True, fn(*args)), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # the call's own failure, raised again in the gateway
                 try:
@@ -414,10 +457,10 @@ class ProcessCPU:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a child process; `fn` and the arguments must pickle (module-level functions)."""
-        request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)  # before a child is taken
+        frames = await asyncio.to_thread(_frames, fn, args)  # before a child is taken
         child = await self._acquire()
         try:
-            child.writer.write(_HEADER.pack(len(request)) + request)
+            child.writer.writelines(frames)
             await child.writer.drain()
             header = await child.reader.readexactly(_HEADER.size)
             ok, value = pickle.loads(await child.reader.readexactly(_HEADER.unpack(header)[0]))

@@ -137,6 +137,33 @@ async def test_a_call_cut_short_never_answers_the_next_one() -> None:
     assert cpu.pids() == []
 
 
+async def test_long_message_lists_reach_the_process_whole_and_in_order() -> None:
+    """A fold's messages are pickled a slice at a time (one pickle of megabytes would hold the event
+    loop): two lists of 300 and 130 messages arrive whole and in order, and the next calls are
+    answered by the same process, in step."""
+    import operator
+
+    from gateway.model import Message
+
+    def msgs(prefix: str, n: int) -> list[Message]:
+        return [Message(raw={"role": "user", "content": f"{prefix}{i}"}, role="user", text=f"{prefix}{i} " * 50,
+                        tokens=i, hash=f"h{prefix}{i}") for i in range(n)]
+
+    a, b = msgs("a", 300), msgs("b", 130)
+    cpu = ProcessCPU(parse_settings({}), 1)
+    try:
+        pid = await cpu.call(os.getpid)
+        both = await cpu.call(operator.concat, a, b)
+        assert [(m.text, m.tokens, m.hash) for m in both] == [(m.text, m.tokens, m.hash) for m in a + b]
+        assert await cpu.call(len, a) == 300
+        with pytest.raises(TypeError):
+            await cpu.call(operator.concat, a, 5)
+        assert await cpu.call(os.getpid) == pid
+        assert cpu.lost == 0
+    finally:
+        await cpu.close(0.0)
+
+
 async def test_stopping_the_fold_processes_fails_the_calls_still_waiting() -> None:
     """Stopped with a call in hand and another waiting for the one process: both fail (the fold is
     retried by whoever runs next), none waits forever, and the process is gone."""
