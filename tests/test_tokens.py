@@ -210,6 +210,41 @@ def test_long_texts_counted_by_pieces_are_exact(encoding: str) -> None:
             assert counter.count(text + sep) == len(enc.encode_ordinary(text + sep))
 
 
+@pytest.mark.parametrize("encoding", [FALLBACK_ENCODING, "o200k_base"])
+def test_a_long_text_is_encoded_in_slices_and_counted_exactly(encoding: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encoding returns every token as a Python int, built holding the interpreter lock: a long text
+    with no line to cut at (one paragraph of 600 KB, odd characters and all) is encoded in slices of
+    at most 128K characters, cut at word breaks, and its count is the whole text's."""
+    counter = TokenCounter({"default": ModelSettings(encoding=None if encoding == FALLBACK_ENCODING
+                                                     else "o200k_base")})
+    enc = counter.encoding()
+    rng = random.Random(11)
+    text = "".join(_odd_text(rng, 12).replace("\n", " ").replace("\r", " ") + " word" for _ in range(30_000))
+    assert len(text) > 600_000 and "\n" not in text
+    whole = len(enc.encode_ordinary(text))
+    calls: list[int] = []
+    real = enc.encode_ordinary
+    monkeypatch.setattr(type(enc), "encode_ordinary", lambda self, t: calls.append(len(t)) or real(t))
+    assert counter.count(text) == whole
+    assert len(calls) >= 5 and max(calls) <= 2 * 65536
+
+
+def test_a_long_text_with_no_word_break_is_encoded_in_slices_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Base64 has no break that keeps the count exact: it is cut anyway, and the count is off by
+    no more than a token a cut."""
+    import base64
+
+    counter = TokenCounter(MODELS)
+    enc = counter.encoding()
+    text = base64.b64encode(random.Random(3).randbytes(450_000)).decode()
+    whole = len(enc.encode_ordinary(text))
+    calls: list[int] = []
+    real = enc.encode_ordinary
+    monkeypatch.setattr(type(enc), "encode_ordinary", lambda self, t: calls.append(len(t)) or real(t))
+    got = counter.count(text)
+    assert max(calls) <= 2 * 65536 and abs(got - whole) <= len(calls)
+
+
 def test_block_of_counted_texts_encodes_only_what_is_new(monkeypatch: pytest.MonkeyPatch) -> None:
     """A block of texts counted before (excerpts) encodes only its new headers and the words at the joins."""
     counter = TokenCounter(MODELS)
