@@ -599,6 +599,14 @@ async def test_a_long_command_is_packed_without_copying_its_long_arguments(redis
         packed = conn.pack_command(*args)
         assert b"".join(packed) == b"".join(Connection().pack_command(*args))
         assert any(part is record for part in packed)
+        # An import of thousands of turns (hash, record), a long one among them: the same bytes.
+        many: list[Any] = ["EVALSHA", "b" * 40, 1, "gw:{t:c}:msgs", 7, -1, 2.5]
+        for i in range(3000):
+            many += [f"h{i}", b'{"t":"' + b"z" * (i % 700) + b'"}']
+        many[3000:3000] = [record, "\u00e9" * 100]
+        packed = conn.pack_command(*many)
+        assert b"".join(packed) == b"".join(Connection().pack_command(*many))
+        assert any(part is record for part in packed) and len(packed) > 3
     finally:
         await store.close()
 
