@@ -47,6 +47,7 @@ CONVERSATIONS = 256  # conversations each per-conversation cache holds (LRU)
 # New message bytes past which they are hashed in a thread: canonical form and blake2b cost about
 # 5 ms a megabyte on the loop (a 30 MB first request held it 154 ms).
 HASH_OFF_LOOP = 256 << 10
+HOLD_OFF_LOOP = 1000  # new messages a held rewrite copies in a thread past this many
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +171,11 @@ class ConversationCaches:
                     if k == conv or (ref.project and k[0] == conv[0] and h.project == ref.project)]:
             del self.held[key]
 
-    def hold(self, ref: ConvRef, held: Held, edits: int) -> None:
+    async def hold(self, ref: ConvRef, held: Held, edits: int) -> None:
         """Keep `held` unless an edit (or a gap in the change channel) came since `edits` was read.
         Its messages are kept without their raw bodies (a held message is forwarded with the
-        client's own bytes); the copies already held for the same positions are reused."""
+        client's own bytes); the copies already held for the same positions are reused. Thousands
+        of new ones (an import: ~1.5 us each) are copied in a thread."""
         if edits != self.edits:
             return
         key = conv_key(ref)
@@ -184,8 +186,14 @@ class ConversationCaches:
             # A chain hash stands for its whole prefix: one comparison tells the copies still apply.
             if n <= len(held.tail) and before.tail[-1].chain and before.tail[-1].chain == held.tail[n - 1].chain:
                 reuse = before.tail
-        tail = reuse + tuple(replace(t, raw={}) for t in held.tail[len(reuse):])
-        bounded_put(self.held, key, replace(held, tail=tail), self.size)
+        new = held.tail[len(reuse):]
+        if len(new) > HOLD_OFF_LOOP:
+            copies = await asyncio.to_thread(lambda: tuple(replace(t, raw={}) for t in new))
+            if edits != self.edits:
+                return
+        else:
+            copies = tuple(replace(t, raw={}) for t in new)
+        bounded_put(self.held, key, replace(held, tail=reuse + copies), self.size)
 
     def channel_changed(self) -> None:
         """The change channel connected or was lost: edits may have gone unseen meanwhile."""

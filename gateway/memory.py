@@ -564,7 +564,7 @@ class Memory:
                                    f"{validate.MAX_DEPTH} levels deep") from None
         if plan.kind == "rewritten" and inputs.whole and mem.policy == "cost":
             h = inputs.history
-            self.caches.hold(req.ref, Held(req.ref.project, h.summary, inputs.state_block, inputs.state_tokens,
+            await self.caches.hold(req.ref, Held(req.ref.project, h.summary, inputs.state_block, inputs.state_tokens,
                                            h.tail_start, tuple(h.tail)), edits)
         original = self._costs(req, inputs, plan, outcome.forwarded, window)
         self.caches.remember_forwarded(req.ref, outcome.forwarded, original)

@@ -186,7 +186,8 @@ class ResendParser:
             previous = self._seen.pop(key, None)
             self._forget(key)
             if self._room(estimate_held(raw), previous) and not parts_over(items, self.max_parts):
-                size = end - start + held(items)
+                # (A walk of every parsed object: ~10 ms for 10,000 messages, in a thread.)
+                size = end - start + await asyncio.to_thread(held, items)
                 if self._room(size, previous):
                     self._put(key, _Known(memoryview(raw)[start:end], tuple(items), self.clock(), size))
             if key not in self._known:

@@ -86,3 +86,41 @@ async def test_leaving_out_the_search_when_the_full_history_wins_forwards_the_sa
     kinds = [s[0] for s in skipped]
     assert "full" in kinds[4:] and "rewritten" in kinds
     assert fewer < more
+
+
+async def test_an_import_held_for_its_cache_is_copied_off_the_loop_and_an_edit_meanwhile_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rewrite held for the provider's cache keeps its messages without their raw bodies: for an
+    import of thousands (~1.5 ms a thousand) the copies are made in a thread; if an edit lands
+    meanwhile, nothing is held (the edit must reach the next request)."""
+    import asyncio
+
+    from gateway.keys import ConvRef
+    from gateway.model import Message
+    from gateway.recall import RecallCache
+
+    msgs = tuple(Message(raw={"role": "user", "content": f"m{i}"}, role="user", text=f"m{i}", tokens=3,
+                         hash=f"h{i}", chain=f"c{i}") for i in range(1500))
+    held = caches.Held(None, None, "", 0, 0, msgs)
+    ref = ConvRef("t", "imported")
+    cache = caches.ConversationCaches(live=True, recall=RecallCache(1 << 20))
+    where: list[bool] = []
+    to_thread = asyncio.to_thread
+
+    async def spy(fn: Any, *args: Any) -> Any:
+        where.append(True)
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(caches.asyncio, "to_thread", spy)
+    await cache.hold(ref, held, cache.edits)
+    kept = cache.held[caches.conv_key(ref)].tail
+    assert where == [True]
+    assert [(m.text, m.chain, m.raw) for m in kept] == [(m.text, m.chain, {}) for m in msgs]
+
+    async def edited_meanwhile(fn: Any, *args: Any) -> Any:
+        cache.channel_changed()  # what an edit, or a gap in the change channel, does
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(caches.asyncio, "to_thread", edited_meanwhile)
+    await cache.hold(ConvRef("t", "other"), held, cache.edits)
+    assert caches.conv_key(ConvRef("t", "other")) not in cache.held
