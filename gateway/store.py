@@ -33,7 +33,6 @@ from types import TracebackType
 from typing import Any, Literal, cast
 
 import fakeredis
-import hiredis
 import orjson
 import redis.asyncio as aioredis
 import redis.exceptions as rex
@@ -138,11 +137,9 @@ class AppendResult:
     summarizer: dict[str, int] = field(default_factory=dict)  # summarizer_tokens_in/out/charged stats
 
 
-# Records of more bytes are encoded and parsed in a thread, and commands of more are packed without
-# copying their arguments (~5-10 ms a megabyte of CPU that would hold the event loop).
+# Records of more bytes are encoded (to the wire format, for a single Redis) and parsed in a thread
+# (~5-10 ms a megabyte of CPU that would hold the event loop).
 OFF_LOOP_BYTES = 1 << 20
-_UNCOPIED = 64 << 10  # arguments of more bytes are written as they are, not packed
-_PACK_GROUP = 1024  # arguments packed by hiredis in one call
 
 
 def _s(value: bytes | None) -> str | None:
@@ -190,11 +187,33 @@ def _turn_args(turns: Sequence[Message]) -> list[bytes | str | int]:
     return args
 
 
-async def _turn_args_of(turns: Sequence[Message]) -> list[bytes | str | int]:
-    """`_turn_args`, for many megabytes of turns in a thread (as `_turns`)."""
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """Arguments of a command already in Redis's wire format (`count` of them in `blob`), as the
+    last argument of a command: a connection of this store's (`_HiredisPacking`) sends them as they
+    are. Packing the 20,000 arguments of an import's append took 20-45 ms of the event loop; they
+    are encoded in a thread instead."""
+
+    blob: bytes
+    count: int
+
+
+def _encoded(args: list[bytes | str | int]) -> _Encoded:
+    pieces: list[bytes] = []
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        pieces += (b"$%d\r\n" % len(b), b, b"\r\n")
+    return _Encoded(b"".join(pieces), len(args))
+
+
+async def _turn_args_of(turns: Sequence[Message], encode: bool) -> list[bytes | str | int | _Encoded]:
+    """`_turn_args`, for many megabytes of turns in a thread (as `_turns`), and there put in the
+    wire format when `encode` (the store's connections send `_Encoded` arguments)."""
     if sum(len(t.text) for t in turns) > OFF_LOOP_BYTES // 2:  # (each record holds the text twice)
-        return await asyncio.to_thread(_turn_args, turns)
-    return _turn_args(turns)
+        if encode:
+            return [await asyncio.to_thread(lambda: _encoded(_turn_args(turns)))]
+        return list(await asyncio.to_thread(_turn_args, turns))
+    return list(_turn_args(turns))
 
 
 class _Script:
@@ -230,6 +249,7 @@ class Store:
         self.ttl = ttl
         self.cluster = isinstance(client, RedisCluster)
         self.embedded = False  # memory://: in this process, no other writer
+        self.encodes = False  # its connections send `_Encoded` arguments (a single Redis, not a cluster)
         self.origin = os.urandom(6).hex()  # this process, in its announcements (see watch)
         self._on_commit: list[Committed] = []
         # EVALSHA by precomputed sha; the text is sent once per server (NOSCRIPT).
@@ -342,7 +362,7 @@ class Store:
             raise ValueError("base_length must be >= 0")
         keys, sk = self._write_keys(ref)
         args = [self.ttl, base_length, base_chain, dialect, sk, len(turns) if own is None else own, client,
-                *_stat_args(stats), *await _turn_args_of(turns)]
+                *_stat_args(stats), *await _turn_args_of(turns, self.encodes)]
         with _guard:
             res = await self._append(keys=keys, args=args)
         return _result(res)
@@ -354,7 +374,7 @@ class Store:
         if at < 0:
             raise ValueError("at must be >= 0")
         keys, sk = self._write_keys(ref)
-        args = [self.ttl, at, base_chain, dialect, sk, *_stat_args(stats), *await _turn_args_of(turns)]
+        args = [self.ttl, at, base_chain, dialect, sk, *_stat_args(stats), *await _turn_args_of(turns, self.encodes)]
         with _guard:
             res = await self._branch(keys=keys, args=args)
         return _result(res)
@@ -714,36 +734,13 @@ class _HiredisPacking:
     _packer = HiredisRespSerializer()
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        if sum(len(a) for a in args if isinstance(a, (bytes, str))) <= OFF_LOOP_BYTES:
-            return cast(list[bytes], self._packer.pack(*args))
-        # One buffer for a 30 MB append is a copy that held the event loop ~100 ms, and redis-py's
-        # own packer takes ~1 us an argument (20 ms for an import of 10,000 turns): long arguments
-        # go out as they are, the rest packed by hiredis a group at a time.
-        if isinstance(args[0], str):
-            args = (*args[0].encode().split(), *args[1:])
-        out: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
-        group: list[Any] = []
-        size = 0
-
-        def flush() -> None:
-            if group:
-                packed = hiredis.pack_command(tuple(group))
-                out.append(memoryview(packed)[len(b"*%d\r\n" % len(group)):])  # (its own header dropped)
-                group.clear()
-
-        for a in args:
-            if isinstance(a, bytes) and len(a) > _UNCOPIED:
-                flush()
-                out += (b"$%d\r\n" % len(a), a, b"\r\n")
-                size = 0
-                continue
-            group.append(a)
-            size += len(a) if isinstance(a, (bytes, str)) else 8
-            if len(group) == _PACK_GROUP or size > _UNCOPIED:
-                flush()
-                size = 0
-        flush()
-        return cast(list[bytes], out)
+        if args and isinstance(args[-1], _Encoded):
+            encoded = args[-1]
+            head = self._packer.pack(*args[:-1])[0]
+            n = head[1:head.index(b"\r\n")]  # "*<n>\r\n": that many arguments are packed before them
+            rest = cast(bytes, memoryview(head)[len(n) + 3:])  # (a view: the socket takes any buffer)
+            return [b"*%d\r\n" % (int(n) + encoded.count), rest, encoded.blob]
+        return cast(list[bytes], self._packer.pack(*args))
 
 
 _PACKED: dict[type, type] = {
@@ -795,4 +792,5 @@ async def open_store(settings: StoreSettings) -> Store:
         client = aioredis.Redis.from_pool(pool)
     store = Store(client, Keys(settings.key_prefix), ttl=settings.ttl_seconds)
     store.embedded = url.startswith("memory://")
+    store.encodes = not store.embedded and not url.startswith("redis+cluster://")
     return store
