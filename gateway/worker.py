@@ -48,6 +48,7 @@ from gateway.tokens import TokenCounter
 log = get_logger("gateway.worker")
 
 _POLL_SECONDS = 0.5
+PICK_OFF_LOOP = 500  # unfolded messages past which a fold's target and what it reads are found in a thread
 _BLOCK_MS = 1000
 # Consumers of the group idle this long with nothing pending are workers that died: removed (at a
 # worker's start, then every _PRUNE_SECONDS). A live worker reads the stream every second or so, at
@@ -316,11 +317,18 @@ class FoldWorker:
         else:
             turns = await self.store.messages(ref, covers, view.length)
         dialect = dialect_named(view.dialect or "openai_chat")
-        target = fold.fold_target(dialect, turns, covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
-                                  fold_tokens=mem.fold_tokens, urgent=urgent)
-        if target is None:
+
+        def pick() -> tuple[int, list[Any]] | None:
+            target = fold.fold_target(dialect, turns, covers, keep_recent=mem.keep_recent, fold_batch=mem.fold_batch,
+                                      fold_tokens=mem.fold_tokens, urgent=urgent)
+            return None if target is None else (target, fold.spoken(dialect, turns[: target - covers]))
+
+        # The first fold of an import reads thousands of messages (~20 ms for 2,000): in a thread.
+        picked = await asyncio.to_thread(pick) if len(turns) > PICK_OFF_LOOP else pick()
+        if picked is None:
             return None
-        return view, fold.spoken(dialect, turns[: target - covers]), covers, target
+        target, aged = picked
+        return view, aged, covers, target
 
     async def fold_conversation(self, ref: ConvRef, *, urgent: bool = False, job_id: str | None = None) -> str:
         """Fold one conversation once: "ok", "noop" (nothing due), "conflict" (CAS refused) or "busy"."""

@@ -94,6 +94,41 @@ async def test_sequence_20_then_30(store: Store, upstream: FakeUpstream) -> None
     await summarizer.close()
 
 
+async def test_the_first_fold_of_an_import_reads_it_off_the_event_loop(
+        store: Store, upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversation imported with 700 messages: its first fold finds its target and the words it
+    reads in a thread (thousands of messages took ~20 ms of the loop), and folds exactly what it
+    folds when they are found on the loop: the same coverage, the same summarizer prompt."""
+    import threading
+
+    real = fold.fold_target
+    threads: list[bool] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fold, "fold_target", spy)
+    settings = llm_settings(upstream.url)
+    summarizer = build_summarizer(settings, count)
+    covers, prompts, where = [], [], []
+    for ref, off_loop in ((REF, True), (ConvRef("tenant-a", "conv-2"), False)):
+        monkeypatch.setattr(worker, "PICK_OFF_LOOP", 500 if off_loop else 10_000)
+        upstream.requests.clear()
+        threads.clear()
+        await add(store, ref, numbered(0, 700))
+        assert await store.enqueue_fold(ref)
+        await worker.FoldWorker(store, settings, summarizer, name="w1").run(burst=True)
+        view = await store.load(ref)
+        assert view.summary is not None
+        covers.append(view.summary.covers)
+        prompts.append([b["messages"] for _, b in upstream.requests])
+        where.append(threads[0])
+    assert where == [False, True]  # the import's first pick: in a thread; (the same, on the loop)
+    assert covers[0] == covers[1] > 600 and prompts[0] == prompts[1]
+    await summarizer.close()
+
+
 async def _fold_held_open(store: Store, upstream: FakeUpstream, metrics: Metrics | None = None,
                           ) -> tuple[Any, asyncio.Task[Any]]:
     """20 stored messages, their fold running and held inside its summarizer call (upstream.gate):
