@@ -68,6 +68,34 @@ class _Contended(StoreUnavailable):
 
 # An Anthropic request asking for the 1-hour prompt cache (priced apart: `cache_write_1h`).
 _ONE_HOUR = re.compile(rb'"ttl"\s*:\s*"1h"')
+# Bytes of a body read for those marks between two turns of the event loop (a pass over 30 MB
+# held it ~12 ms; the cost model read an Anthropic body three times).
+_SCAN_SLICE = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Marks:
+    """What the cost model reads in the body as sent: whether the provider caches its full history
+    (Anthropic: up to a `cache_control` breakpoint the client set), and Anthropic's 1-hour cache."""
+
+    cacheable: bool
+    one_hour: bool
+
+
+async def _marks(dialect: Dialect, raw: bytes) -> _Marks:
+    """The body's `_Marks`, read once per request, a megabyte at a time."""
+    if dialect.name != "anthropic":
+        return _Marks(dialect.caches_full_history(raw), False)
+    cacheable = one_hour = False
+    for start in range(0, len(raw), _SCAN_SLICE):
+        if start:
+            await asyncio.sleep(0)
+        end = start + _SCAN_SLICE + 4096  # (overlapping: a mark across the slices' edge is found)
+        cacheable = cacheable or dialect.caches_full_history(raw if end >= len(raw) and not start else raw[start:end])
+        one_hour = one_hour or _ONE_HOUR.search(raw, start, end) is not None
+        if cacheable and one_hour:
+            break
+    return _Marks(cacheable, one_hour)
 _UNPRICED_NOTED = 256  # model names warned about once each, at most this many
 _LEARN = 0.3  # weight of the newest observation in a model's cache hit rate
 _LONGEST_TTL = 3600.0  # a cache observed to outlive its configured lifetime is believed up to this
@@ -108,6 +136,7 @@ class _Request:
     arrived: float = 0.0
     when: str | None = None  # the client's time for the new turns (X-Message-Time), else the clock's
     body_bytes: int = 0  # of the request's body: what a deferred recording of it holds, roughly
+    marks: _Marks = _Marks(cacheable=True, one_hour=False)  # read in the body as sent (_marks)
     cost_original: float = 0.0  # expected billed input, fresh-token equivalents (cost.py)
     cost_forwarded: float = 0.0
     window_used: float = 0.0  # share of the model's context window the forwarded request takes
@@ -280,12 +309,11 @@ class Memory:
                             "prompt caching assumed, so over the thresholds it is always rewritten); add a "
                             f"pricing.<name> entry for it")
 
-    def prices(self, model: str | None, dialect: Dialect, raw: bytes) -> cost.Prices:
+    def prices(self, model: str | None, dialect: Dialect, marks: _Marks) -> cost.Prices:
         """The request's model's cache prices (Anthropic's 1-hour cache when the request asks for it)."""
         if model and not self.settings.priced(model):
             self._warn_unpriced(model, "request")
-        one_hour = dialect.name == "anthropic" and _ONE_HOUR.search(raw) is not None
-        base = cost.prices(self.settings.price(model), one_hour=one_hour)
+        base = cost.prices(self.settings.price(model), one_hour=marks.one_hour)
         belief = self._beliefs.get((dialect.upstream, self.settings.price_key(model)))
         if belief is None:
             return base
@@ -364,6 +392,7 @@ class Memory:
         started = time.perf_counter()
         arrived = time.monotonic()
         when = _client_time(call.headers)
+        marks = await _marks(dialect, call.raw)
         try:
             hashes, chains = await self.caches.hashes(ref, dialect, history,
                                                       partial(_check, dialect, call.body, history, mem.max_parts),
@@ -383,7 +412,7 @@ class Memory:
                 if view.dialect in (None, dialect.name):
                     decision = await self._decide(ref, hashes, chains, view, arrived, replies=replies)
             except StoreUnavailable as exc:
-                return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when)
+                return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when, marks)
         if view.dialect is not None and view.dialect != dialect.name:
             # One conversation id reused across API dialects: its stored turns cannot be replayed
             # in the other format, so this request goes through untouched and is not recorded.
@@ -393,11 +422,11 @@ class Memory:
 
         model = dialect.model(call.body)
         req = await self._logical(ref, dialect, model, view, decision, history, hashes, chains, when)
-        req.known, req.arrived, req.body_bytes = known, arrived, len(call.raw)
+        req.known, req.arrived, req.body_bytes, req.marks = known, arrived, len(call.raw), marks
         try:
             plan, body = await self._plan(call, req, history)
         except StoreUnavailable as exc:
-            return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when)
+            return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when, marks)
         req.plan = plan
         # Savings are net of what folding cost: the summarizer tokens spent since the last request
         # are charged once, against this request (0 with the extractive summarizer).
@@ -540,8 +569,8 @@ class Memory:
             context_budget=rewrite.context_budget(window, mem, dialect.max_output_tokens(call.body) or 0),
             count=lambda s: self.tokens.count(s, req.model), whole=req.decision.action != "delta",
             system_hash=req.system_hash, chains=req.chains, new_tokens=sum(t.tokens for t in req.new_messages),
-            last=self.caches.forwarded.get(key), now=self.clock(), prices=self.prices(req.model, dialect, call.raw),
-            raw=call.raw, context_window=window,
+            last=self.caches.forwarded.get(key), now=self.clock(), prices=self.prices(req.model, dialect, req.marks),
+            cacheable=req.marks.cacheable, context_window=window,
         )
         edits = self.caches.edits
         draft = rewrite.plan(inputs, self._kept_layers(req, history, inputs))
@@ -599,7 +628,7 @@ class Memory:
         (its previous full history then in the provider's cache); returns the latter's record."""
         h, now, prices = inputs.history, inputs.now, inputs.prices
         system = (inputs.system_hash, inputs.system_tokens)
-        cacheable = inputs.dialect.caches_full_history(inputs.raw)
+        cacheable = req.marks.cacheable
         original = cost.full_record(system, inputs.chains, h.total_tokens, h.tail[-1].tokens if h.tail else 0, now)
         req.cost_original = cost.billed_full(system, h.total_tokens, inputs.chains,
                                              self.caches.originals.get(conv_key(req.ref)), now, prices,
@@ -639,7 +668,7 @@ class Memory:
 
     def _degraded(self, call: Call, dialect: Dialect, history: list[dict[str, Any]], exc: Exception,
                   ref: ConvRef, hashes: list[str], chains: list[str], arrived: float,
-                  when: str | None) -> Prepared:
+                  when: str | None, marks: _Marks) -> Prepared:
         """Forward unchanged; the turns are stored later (backlog.py) if the upstream answers."""
         if self.metrics is not None:
             self.metrics.store_errors_total.inc()
@@ -652,8 +681,8 @@ class Memory:
         tokens = history_tokens + system[1]
         # Sent as it came: the bill of the client's own request, its previous one in the cache when known.
         billed = round(cost.billed_full(system, history_tokens, chains, self.caches.originals.get(conv_key(ref)),
-                                        self.clock(), self.prices(model, dialect, call.raw),
-                                        cacheable=dialect.caches_full_history(call.raw)))
+                                        self.clock(), self.prices(model, dialect, marks),
+                                        cacheable=marks.cacheable))
         window = self.settings.model(model).context_window
         sent = when or _now()  # the client's time (X-Message-Time) when it gave one, as for a stored turn
 

@@ -244,6 +244,7 @@ class Inputs:
     now: float = 0.0
     prices: cost.Prices = cost.DEFAULT_PRICES
     raw: bytes = b""
+    cacheable: bool | None = None  # dialect.caches_full_history(raw), when the caller read it already
     held_window: int = 0  # tokens of the window a held fold (keep_layers) would have summarised
     context_window: int = 0  # the model's whole window (context_budget is the gateway's share of it); 0: unknown
 
@@ -684,7 +685,7 @@ def _cheaper(inputs: Inputs, plan: Plan, rewrite: tuple[list[str], list[int], in
     that later requests must earn back (cost.choose); each of those writes `later_excerpts` tokens
     of excerpts more than this one."""
     h, prices, last, now = inputs.history, inputs.prices, inputs.last, inputs.now
-    cacheable = inputs.dialect.caches_full_history(inputs.raw)
+    cacheable = inputs.dialect.caches_full_history(inputs.raw) if inputs.cacheable is None else inputs.cacheable
     full_now = cost.billed_full((inputs.system_hash, inputs.system_tokens), h.total_tokens, inputs.chains, last,
                                 now, prices, cacheable=cacheable)
     items, tokens, volatile = rewrite

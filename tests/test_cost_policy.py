@@ -231,3 +231,37 @@ async def test_a_cache_read_after_a_long_pause_extends_the_believed_lifetime() -
     assert before["x-gateway-reason"] == after["x-gateway-reason"] == "under-threshold"
     assert int(before["x-gateway-cost-forwarded"]) == int(before["x-gateway-tokens-forwarded"])  # believed cold
     assert int(after["x-gateway-cost-forwarded"]) < 0.5 * int(after["x-gateway-tokens-forwarded"])  # now warm
+
+
+async def test_the_cache_marks_of_a_long_body_are_found_wherever_they_are() -> None:
+    """The cost model reads two marks in an Anthropic body (a `cache_control` breakpoint, the 1-hour
+    cache): a long body is read once, a megabyte at a time, and a mark is found anywhere in it, across
+    the edge of two slices too, as a whole-body search finds it."""
+    import asyncio
+
+    from gateway.dialects import dialect_named
+    from gateway.memory import _ONE_HOUR, _marks
+
+    anthropic, openai_chat = dialect_named("anthropic"), dialect_named("openai_chat")
+    mark = b'"cache_control": {"type": "ephemeral", "ttl":  "1h"}'
+    size = 3 << 20
+    for at in (0, (1 << 20) - 20, (1 << 20) - 3, 1 << 20, (2 << 20) + 4090, size - len(mark)):
+        raw = b"x" * at + mark + b"x" * (size - at - len(mark))
+        got = await _marks(anthropic, raw)
+        assert (got.cacheable, got.one_hour) == (True, _ONE_HOUR.search(raw) is not None) == (True, True), at
+    assert await _marks(anthropic, b"x" * size) == await _marks(anthropic, b"{}") == type(got)(False, False)
+    assert (await _marks(openai_chat, mark)).one_hour is False  # Anthropic's 1-hour cache only
+
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    task = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    await _marks(anthropic, b"x" * size)
+    task.cancel()
+    assert turns >= 2  # served between the slices
