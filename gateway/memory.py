@@ -412,7 +412,7 @@ class Memory:
                 if view.dialect in (None, dialect.name):
                     decision = await self._decide(ref, hashes, chains, view, arrived, replies=replies)
             except StoreUnavailable as exc:
-                return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when, marks)
+                return await self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when, marks)
         if view.dialect is not None and view.dialect != dialect.name:
             # One conversation id reused across API dialects: its stored turns cannot be replayed
             # in the other format, so this request goes through untouched and is not recorded.
@@ -426,7 +426,7 @@ class Memory:
         try:
             plan, body = await self._plan(call, req, history)
         except StoreUnavailable as exc:
-            return self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when, marks)
+            return await self._degraded(call, dialect, history, exc, ref, hashes, chains, arrived, when, marks)
         req.plan = plan
         # Savings are net of what folding cost: the summarizer tokens spent since the last request
         # are charged once, against this request (0 with the extractive summarizer).
@@ -526,6 +526,16 @@ class Memory:
             count = self.tokens.count
             await asyncio.to_thread(lambda: [count(t, model) for t in texts])
 
+    async def _system(self, text: str, model: str | None) -> tuple[str, int]:
+        """The system prompt's digest and tokens; a long one's taken in a thread, as a pasted file's
+        are (a 30 MB system prompt held the event loop for seconds)."""
+        if len(text) > COUNT_OFF_LOOP:
+            count = self.tokens.count
+            # (The thread's count is cached for `system_tokens`, and its hash(text) kept by the str.)
+            digest = await asyncio.to_thread(lambda: (count(text, model), _digest(text))[1])
+            return digest, self.blocks.system_tokens(text, model)
+        return _digest(text), self.blocks.system_tokens(text, model)
+
     async def _replies(self, dialect: Dialect, items: list[dict[str, Any]], model: str | None,
                        when: str | None) -> list[Message]:
         """The reply's messages, a long one counted off the event loop as a pasted file is."""
@@ -559,12 +569,12 @@ class Memory:
         logical = rewrite.history(view, req.decision, history, req.new_messages,
                                   lambda i: self._message(dialect, history[i], req.hashes[i], req.model))
         system_text = dialect.system_text(call.body)
-        req.system_hash = _digest(system_text)
+        req.system_hash, system_tokens = await self._system(system_text, req.model)
         state_block, state_tokens = self.blocks.state_block(view.state, req.model)
         window = self.settings.model(req.model).context_window
         key = conv_key(req.ref)
         inputs = rewrite.Inputs(
-            dialect=dialect, history=logical, system_tokens=self.blocks.system_tokens(system_text, req.model),
+            dialect=dialect, history=logical, system_tokens=system_tokens,
             state_block=state_block, state_tokens=state_tokens, settings=mem,
             context_budget=rewrite.context_budget(window, mem, dialect.max_output_tokens(call.body) or 0),
             count=lambda s: self.tokens.count(s, req.model), whole=req.decision.action != "delta",
@@ -666,7 +676,7 @@ class Memory:
             min_relevance=self.settings.memory.retrieval.min_relevance,
         )
 
-    def _degraded(self, call: Call, dialect: Dialect, history: list[dict[str, Any]], exc: Exception,
+    async def _degraded(self, call: Call, dialect: Dialect, history: list[dict[str, Any]], exc: Exception,
                   ref: ConvRef, hashes: list[str], chains: list[str], arrived: float,
                   when: str | None, marks: _Marks) -> Prepared:
         """Forward unchanged; the turns are stored later (backlog.py) if the upstream answers."""
@@ -675,9 +685,11 @@ class Memory:
         busy = isinstance(exc, StoreBusy)
         log.warning("memory.degraded", conversation=ref.conversation, error=type(exc).__name__)
         model = dialect.model(call.body)
-        history_tokens = sum(self.tokens.count_message(dialect.text(m), model) for m in history)
+        texts = [dialect.text(m) for m in history]
+        await self._precount(texts, model)
+        history_tokens = sum(self.tokens.count_message(t, model) for t in texts)
         system_text = dialect.system_text(call.body)
-        system = (_digest(system_text), self.blocks.system_tokens(system_text, model))
+        system = await self._system(system_text, model)
         tokens = history_tokens + system[1]
         # Sent as it came: the bill of the client's own request, its previous one in the cache when known.
         billed = round(cost.billed_full(system, history_tokens, chains, self.caches.originals.get(conv_key(ref)),

@@ -199,3 +199,18 @@ async def test_a_long_new_history_is_hashed_off_the_event_loop(redis_url: str, m
     assert first == [False] * 300  # all in a worker thread
     assert threads == [True, True]  # a resend's reply and new turn: on the loop (a thread hop costs more)
     assert [m["message"] for m in stored] == [*history, {"role": "assistant", "content": reply}]
+
+
+async def test_a_long_system_prompt_is_counted_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
+    """A system prompt of a whole manual (300 KB) is counted in a thread, as a pasted file is: a
+    30 MB one held every conversation for seconds. The rewrite's accounting is the usual one."""
+    from gateway.tokens import TokenCounter
+
+    system = "\n".join(f"rule {i}: always answer in the tone of document section {i}." for i in range(6_000))
+    where = _where_counted(monkeypatch, system)
+    async with memory_gateway(redis_url) as g:
+        history = [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]
+        headers, _ = await openai_turn(g, g.openai(), "manual", history)
+    assert len(system) > 300_000
+    assert where == [False]  # counted once, in a worker thread
+    assert int(headers["x-gateway-tokens-original"]) >= TokenCounter({}).count(system)
