@@ -78,7 +78,9 @@ _TOKEN = re.compile(rb'["\[\]{}]|[-0-9tfn][-+.0-9a-zA-Z]*')
 _QUOTE_STEPS = 4  # escaped quotes in a string read one by one before it is read in windows
 _GAP = re.compile(rb'[ \t\r\n]*,[ \t\r\n]*')
 _TRAIL = re.compile(rb'[ \t\r\n]*')
-_MAX_DEPTH = 1024  # orjson's: deeper is parsed whole, and refused at once
+_MAX_DEPTH = 1024 - 2  # orjson's limit, less the body's object and its history array: deeper is parsed
+# whole (and refused at once)
+_YIELD_TOKENS = 4096  # ... and tokens read between two turns (a history of tiny values is dense in them)
 _OPENERS, _CLOSERS = frozenset(b"[{"), frozenset(b"]}")
 # This interpreter's object headers (a str's is 49 bytes on 3.11, 41 on 3.12).
 _STR, _DICT, _LIST = sys.getsizeof(""), sys.getsizeof({"role": 0, "content": 0}), sys.getsizeof([])
@@ -86,12 +88,12 @@ _STR, _DICT, _LIST = sys.getsizeof(""), sys.getsizeof({"role": 0, "content": 0})
 
 @dataclass(frozen=True, slots=True)
 class _Known:
-    # The history items' bytes, from the first one's start to the last one's end: a view of the body
-    # they came in (a copy of a long history held the event loop ~10 ms per 30 MB, on every request).
+    # The history items' bytes, from the first one's start to the last one's end (`_kept`).
     items_raw: memoryview
     items: tuple[Any, ...]  # what they parse to
     used: float  # monotonic time of the last body parsed around them
     size: int  # bytes held: the raw bytes and the parsed objects
+    objects: int = 0  # of which the parsed objects (`held`)
 
 
 def held(value: Any) -> int:
@@ -187,9 +189,10 @@ class ResendParser:
             self._forget(key)
             if self._room(estimate_held(raw), previous) and not parts_over(items, self.max_parts):
                 # (A walk of every parsed object: ~10 ms for 10,000 messages, in a thread.)
-                size = end - start + await asyncio.to_thread(held, items)
+                objects = await asyncio.to_thread(held, items)
+                size, view = _kept(raw, start, end, objects)
                 if self._room(size, previous):
-                    self._put(key, _Known(memoryview(raw)[start:end], tuple(items), self.clock(), size))
+                    self._put(key, _Known(view, tuple(items), self.clock(), size, objects))
             if key not in self._known:
                 self._seen[key] = self.clock()
                 if len(self._seen) > SEEN_KEYS:
@@ -228,8 +231,9 @@ class ResendParser:
             if end is None:
                 self._forget(key)
             else:
-                size = known.size + end + held(new)
-                self._put(key, _Known(memoryview(raw)[at: at + len(known.items_raw) + end], items, self.clock(), size))
+                objects = known.objects + held(new)
+                size, view = _kept(raw, at, at + len(known.items_raw) + end, objects)
+                self._put(key, _Known(view, items, self.clock(), size, objects))
         return body
 
     def _learn(self, key: Hashable, raw: bytes, body: Any, field: str, previous: float | None = None) -> None:
@@ -248,9 +252,10 @@ class ResendParser:
         after = {k: body[k] for k in names[names.index(field) + 1:]}
         end = _items_end(raw, start, b"[", items, after=after)
         if end is not None:
-            size = end - start + held(items)
+            objects = held(items)
+            size, view = _kept(raw, start, end, objects)
             if self._room(size, previous):
-                self._put(key, _Known(memoryview(raw)[start:end], tuple(items), self.clock(), size))
+                self._put(key, _Known(view, tuple(items), self.clock(), size, objects))
 
     def _room(self, size: int, previous: float | None = None) -> bool:
         """Would `size` more bytes fit, evicting only conversations not used for HOT_SECONDS, or not
@@ -308,7 +313,7 @@ async def _split(raw: bytes, field: str, max_tokens: int) -> tuple[dict[str, Any
     first = True
     pause = start + _SPLIT_YIELD
     search = _TOKEN.search
-    for _ in range(max_tokens):
+    for n in range(1, max_tokens + 1):
         m = search(raw, pos)
         if m is None:
             return None
@@ -341,7 +346,7 @@ async def _split(raw: bytes, field: str, max_tokens: int) -> tuple[dict[str, Any
             if depth == 0:
                 items.append(_item(raw, begin, pos))
                 prev = pos
-        if pos > pause:
+        if pos > pause or not n % _YIELD_TOKENS:
             await asyncio.sleep(0)
             pause = pos + _SPLIT_YIELD
     else:
@@ -399,7 +404,20 @@ def _item(raw: bytes, start: int, end: int) -> Any:
     try:
         return orjson.loads(memoryview(raw)[start:end])  # (a slice would copy it first)
     except orjson.JSONDecodeError as exc:
-        raise orjson.JSONDecodeError(f"{exc.msg} (in the history item at byte {start})", exc.doc, exc.pos) from None
+        # Where in the body (the item's line and column would mislead): in bytes, not characters.
+        err = orjson.JSONDecodeError(exc.msg, "", 0)
+        err.pos = start + len(exc.doc[:exc.pos].encode("utf-8", "surrogatepass"))
+        err.args = (f"{exc.msg} at byte {err.pos}",)
+        raise err from None
+
+
+def _kept(raw: bytes, start: int, end: int, objects: int) -> tuple[int, memoryview]:
+    """(bytes held, raw[start:end] as kept) for items whose parsed objects hold `objects`: a view of
+    the body when they are most of it (a copy of a long history held the event loop ~10 ms per
+    30 MB, on every request), else a copy (a view keeps the whole body alive: a long system prompt)."""
+    if 2 * (end - start) >= len(raw):
+        return len(raw) + objects, memoryview(raw)[start:end]
+    return end - start + objects, memoryview(raw[start:end])
 
 
 def _head(head: bytes, field: str) -> dict[str, Any] | None:

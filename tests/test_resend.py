@@ -384,3 +384,78 @@ def test_a_long_first_body_is_parsed_with_the_event_loop_served_meanwhile() -> N
     assert turns >= 40  # served at least every 256 KB of the 12 MB (at every item, here)
     assert again["messages"][0] is first["messages"][0]  # learned: the resend reuses the parsed items
     assert again["messages"][-1] == _message(600)
+
+
+@pytest.mark.parametrize("depth", [1020, 1021, 1022, 1023, 1024])
+def test_an_item_nested_near_orjsons_limit_is_read_as_orjson_reads_it(depth: int) -> None:
+    """orjson refuses a body nested past 1,024 levels, counting the body's object and its history
+    array: an item at that depth is refused the same way, one just under it parsed."""
+    item = "[" * depth + "]" * depth
+    raw = b'{"model": "m", "messages": [' + item.encode() + b', {"role": "user", "content": "x"}]}'
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            _aloads(ResendParser(min_bytes=0, split_bytes=0), "c", raw)
+        assert depth > 1022
+        return
+    body = _aloads(ResendParser(min_bytes=0, split_bytes=0), "c", raw)  # (== would recurse too deep)
+    assert len(body["messages"]) == 2 and body["messages"][1] == {"role": "user", "content": "x"}
+    assert depth <= 1022
+
+
+def test_a_history_dense_in_tiny_values_is_read_with_the_loop_served_often() -> None:
+    """A history of 200,000 tiny content parts (4 MB) is read in Python steps: the loop is served
+    every few thousand of them, not only every 256 KB."""
+    import asyncio
+
+    parts = [{"type": "text", "text": "x"}] * 200_000
+    raw = _body([{"role": "user", "content": parts}, _message(1)])
+    turns = 0
+
+    async def main() -> Any:
+        nonlocal turns
+        done = False
+
+        async def other() -> None:
+            nonlocal turns
+            while not done:
+                await asyncio.sleep(0)
+                turns += 1
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        turns = 0
+        body = await ResendParser(max_parts=400_000).aloads(None, raw, "messages")
+        done = True
+        await task
+        return body
+
+    assert asyncio.run(main()) == orjson.loads(raw)
+    assert turns >= 200  # (every 4,096 of its 1.2M brackets, strings and scalars)
+
+
+def test_learned_items_that_are_a_small_part_of_the_body_do_not_keep_the_body() -> None:
+    """A body whose history is short (a 200 KB system prompt, one message): what is learned is a
+    copy of the history's bytes, so the body is freed; a body that is mostly history is kept as a
+    view and counted whole."""
+    parser = ResendParser(split_bytes=0, min_bytes=0)
+    raw = orjson.dumps({"model": "m", "system": "s" * (200 << 10), "messages": [_message(0)]})
+    _aloads(parser, "c", raw)
+    kept = parser._known["c"].items_raw
+    assert kept.obj is not raw and len(kept.obj) < 1 << 10  # (what a view holds alive: here, a copy)
+    assert parser._bytes < 1 << 20
+    history = [_message(i, "m" * 1000) for i in range(2000)]
+    long = _body(history)
+    _aloads(parser, "d", long)
+    assert parser._known["d"].items_raw.obj is long and parser._known["d"].size >= len(long)
+
+
+def test_an_invalid_item_is_reported_at_its_place_in_the_body() -> None:
+    """The 400 names where in the body the JSON went wrong, as a byte offset, not the item's own."""
+    good = _body([_message(i, "m" * 100) for i in range(50)])
+    at = good.rindex(b'":') + 1  # the last item's last colon
+    raw = good[:at] + b"@" + good[at + 1:]
+    with pytest.raises(orjson.JSONDecodeError) as err:
+        _aloads(ResendParser(split_bytes=0, min_bytes=0), "c", raw)
+    assert f"at byte {at}" in str(err.value)
