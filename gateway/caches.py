@@ -232,7 +232,7 @@ class ConversationCaches:
             hashes, chains = [], []
         check(same)
         new = history[same:]
-        if new and body_bytes * len(new) > HASH_OFF_LOOP * len(history):
+        if new and _new_bytes(new, body_bytes, len(history)) > HASH_OFF_LOOP:
             # Many new bytes (an import, pasted files; a share of the body's size by message count):
             # canonicalised and hashed in a thread, so that every other conversation is served meanwhile.
             fresh = await asyncio.to_thread(lambda: [content_hash(dialect, m) for m in new])
@@ -245,6 +245,24 @@ class ConversationCaches:
         # stays tracked like a list would, so the messages are kept as they came.)
         bounded_put(self._last, key, (history, tuple(hashes), tuple(chains)), self.size)
         return hashes, chains
+
+
+def _new_bytes(new: list[dict[str, Any]], body_bytes: int, messages: int) -> int:
+    """About how many bytes the new messages hold: their share of the body by count, or for a few of
+    them (a resend's turn after a long history: one may be a pasted file) their texts' lengths."""
+    share = body_bytes * len(new) // max(messages, 1)
+    if len(new) > 8:
+        return share
+    texts = 0
+    for m in new:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            texts += len(content)
+        elif isinstance(content, list):
+            texts += sum(len(p.get("text") or "") for p in content[:64] if isinstance(p, dict)
+                         and isinstance(p.get("text"), str))
+            texts += 1 << 20 if len(content) > 64 else 0  # (many parts: taken as long)
+    return max(share, texts)
 
 
 class Blocks:

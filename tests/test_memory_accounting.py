@@ -214,3 +214,31 @@ async def test_a_long_system_prompt_is_counted_off_the_event_loop(redis_url: str
     assert len(system) > 300_000
     assert where == [False]  # counted once, in a worker thread
     assert int(headers["x-gateway-tokens-original"]) >= TokenCounter({}).count(system)
+
+
+async def test_a_long_new_turn_after_a_long_history_is_hashed_off_the_event_loop(redis_url: str,
+                                                                                 monkeypatch: Any) -> None:
+    """One pasted text (300 KB) as the new turn of a resent history of 100 messages is hashed in a
+    thread too: its share of the body by message count would say it is small."""
+    import threading
+
+    import gateway.caches
+
+    threads: list[bool] = []
+    real = gateway.caches.content_hash
+    pasted = "the quick brown fox jumps over the lazy dog " * 7_000
+
+    def spy(dialect: Any, raw: dict[str, Any]) -> str:
+        if raw.get("content") == pasted:
+            threads.append(threading.current_thread() is threading.main_thread())
+        return real(dialect, raw)
+
+    monkeypatch.setattr(gateway.caches, "content_hash", spy)
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(99)]
+    async with memory_gateway(redis_url) as g:
+        _, reply = await openai_turn(g, g.openai(), "paste", history)
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": pasted}]
+        await openai_turn(g, g.openai(), "paste", history)
+        stored = (await g.api("GET", "paste/messages?limit=1000"))[1]["data"]
+    assert len(pasted) > 300_000 and threads == [False]
+    assert stored[100]["message"]["content"] == pasted
