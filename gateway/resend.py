@@ -77,9 +77,9 @@ SPLIT_TOKENS_PER_PART = 64
 _TOKEN = re.compile(rb'["\[\]{}]|[-0-9tfn][-+.0-9a-zA-Z]*')
 _QUOTE_STEPS = 4  # escaped quotes in a string read one by one before it is read in windows
 _GAP = re.compile(rb'[ \t\r\n]*,[ \t\r\n]*')
+_COLON = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*')
 _TRAIL = re.compile(rb'[ \t\r\n]*')
-_MAX_DEPTH = 1024 - 2  # orjson's limit, less the body's object and its history array: deeper is parsed
-# whole (and refused at once)
+_ORJSON_DEPTH = 1024  # nesting orjson takes: deeper is parsed whole (and refused at once)
 _YIELD_TOKENS = 4096  # ... and tokens read between two turns (a history of tiny values is dense in them)
 _OPENERS, _CLOSERS = frozenset(b"[{"), frozenset(b"]}")
 # This interpreter's object headers (a str's is 49 bytes on 3.11, 41 on 3.12).
@@ -171,23 +171,24 @@ class ResendParser:
         return body
 
     async def aloads(self, key: Hashable | None, raw: bytes, field: str) -> Any:
-        """`loads`, with a long body that is not parsed around known items read a history item at a
-        time (`_split`): one orjson call over all of it would hold every other request meanwhile."""
+        """`loads`, with a long body read a member and an item at a time (`_split`), known items
+        taken as they are: one orjson call over all of it would hold every other request meanwhile.
+        (A body whose new part is short is parsed around the known items, as `loads` does.)"""
         if len(raw) < self.split_bytes:
             return self.loads(key, raw, field)
         known = self._known.get(key) if key is not None else None
-        if known is not None:
-            body = self._resent(key, known, raw, field)
+        if known is not None and len(raw) - len(known.items_raw) < self.split_bytes:
+            body = self._resent(key, known, raw, field)  # (what is new is parsed in one call)
             if body is not None:
                 return body
-        split = await _split(raw, field, SPLIT_TOKENS_PER_PART * self.max_parts)
+        split = await _split(raw, field, SPLIT_TOKENS_PER_PART * self.max_parts, known)
         if split is None:
             return self.loads(key, raw, field)
         body, start, end, items = split
         if key is not None:
             previous = self._seen.pop(key, None)
             self._forget(key)
-            if self._room(estimate_held(raw), previous) and not parts_over(items, self.max_parts):
+            if start >= 0 and self._room(estimate_held(raw), previous) and not parts_over(items, self.max_parts):
                 # (A walk of every parsed object: ~10 ms for 10,000 messages, in a thread.)
                 objects = await asyncio.to_thread(held, items)
                 size, view = _kept(raw, start, end, objects)
@@ -288,82 +289,138 @@ class ResendParser:
             self._bytes -= old.size
 
 
-async def _split(raw: bytes, field: str, max_tokens: int) -> tuple[dict[str, Any], int, int, list[Any]] | None:
-    """`orjson.loads(raw)` read one history item at a time, the event loop served every
-    _SPLIT_YIELD bytes: (the body, where its history items begin and end in `raw`, the items).
-    None when the body is not of the shape read here (then it is parsed whole): no history array
-    near its start, other members after it that are far from the end or hold `\\u0000`, more than
-    `max_tokens` strings, brackets and scalars in the history (the CPU it may take, as Python steps),
-    or nesting deeper than orjson takes.
+class _GiveUp(Exception):
+    """The body is not read item by item (a budget or a depth past its bound): parsed whole."""
 
-    Why the body is the same: each item is parsed by orjson from its own bytes, which in a valid
-    body are found by matching brackets outside strings; the bytes between items must be a comma
-    and white space; the members around the history are parsed as `_resent` parses them. An item
-    orjson refuses is a body it refuses: that item's error is raised (its offset given in the
-    body), without parsing the rest."""
-    start = _items_start(raw, field)
-    if start is None:
-        return None
-    head = _head(raw[:start], field)
-    if head is None:
-        return None
-    items: list[Any] = []
-    depth = 0
-    begin = prev = pos = start  # where the current item began; where the last one ended; the scan
-    first = True
-    pause = start + _SPLIT_YIELD
-    search = _TOKEN.search
-    for n in range(1, max_tokens + 1):
-        m = search(raw, pos)
+
+class _Reader:
+    """The tokens of a body (`_TOKEN`; a string whole, its end found by `_string_end`), within a
+    budget of `left` tokens, the event loop served every _SPLIT_YIELD bytes and _YIELD_TOKENS tokens."""
+
+    def __init__(self, raw: bytes, max_tokens: int) -> None:
+        self.raw, self.pos, self.left, self.pause = raw, 0, max_tokens, _SPLIT_YIELD
+
+    async def token(self) -> tuple[int, int]:
+        """(start, first byte) of the next token; `pos` is then its end."""
+        raw = self.raw
+        self.left -= 1
+        m = _TOKEN.search(raw, self.pos) if self.left >= 0 else None
         if m is None:
-            return None
-        at, pos = m.start(), m.end()
+            raise _GiveUp  # out of budget, or no token left (then orjson says what is wrong)
+        at, self.pos = m.start(), m.end()
         c = raw[at]
         if c == 34:  # '"': a quote not after a backslash closes it (the usual string, read here)
-            q = raw.find(b'"', pos)
-            pos = q + 1 if q > 0 and raw[q - 1] != 92 else await _string_end(raw, at)
-            if pos < 0:
-                return None
-        if depth == 0:
-            if c == 93:  # "]": the history's end
-                if _TRAIL.fullmatch(raw, prev, at) is None:  # (after the last item, or `[`)
-                    return None
-                break
-            if (_TRAIL if first else _GAP).fullmatch(raw, prev, at) is None or c == 125:
-                return None
-            first = False
-            if c in _OPENERS:
-                begin, depth = at, 1
-            else:  # a string or a scalar: an item by itself
-                items.append(_item(raw, at, pos))
-                prev = pos
-        elif c in _OPENERS:
-            depth += 1
-            if depth > _MAX_DEPTH:
-                return None
-        elif c in _CLOSERS:
-            depth -= 1
-            if depth == 0:
-                items.append(_item(raw, begin, pos))
-                prev = pos
-        if pos > pause or not n % _YIELD_TOKENS:
+            q = raw.find(b'"', self.pos)
+            self.pos = q + 1 if q > 0 and raw[q - 1] != 92 else await _string_end(raw, at)
+            if self.pos < 0:
+                raise _GiveUp
+        if self.pos > self.pause or not self.left % _YIELD_TOKENS:
             await asyncio.sleep(0)
-            pause = pos + _SPLIT_YIELD
-    else:
-        return None
-    tail = raw[at:]
-    if len(tail) > _MAX_AROUND_BYTES or _NUL in tail:
-        return None
+            self.pause = self.pos + _SPLIT_YIELD
+        return at, c
+
+    async def end_of(self, c: int, depth: int) -> int:
+        """The end of the value whose first token (`c`) was just read, `depth` levels in the body."""
+        if c not in _OPENERS:
+            return self.pos
+        level = 1
+        while level:
+            _, c = await self.token()
+            if c in _OPENERS:
+                level += 1
+                if depth + level > _ORJSON_DEPTH:
+                    raise _GiveUp  # (orjson refuses it at once)
+            elif c in _CLOSERS:
+                level -= 1
+        return self.pos
+
+    def expect(self, gap: re.Pattern[bytes], start: int, end: int) -> None:
+        """The bytes between two tokens are `gap` (white space, with a comma or colon), or the body
+        is not JSON: in a valid body nothing else lies between tokens."""
+        if gap.fullmatch(self.raw, start, end) is None:
+            at = start + len(self.raw[start:end]) - len(self.raw[start:end].lstrip(b" \t\r\n"))
+            err = orjson.JSONDecodeError("unexpected character", "", 0)
+            err.pos, err.args = at, (f"unexpected character at byte {at}",)
+            raise err
+
+    async def array(self, depth: int, known: _Known | None = None) -> tuple[list[Any], int, int]:
+        """The items of the array whose `[` was just read, each parsed by orjson from its own bytes:
+        (items, where the first begins, where the last ends). `known` items are taken as they are
+        when the array begins with their bytes."""
+        raw, items = self.raw, []
+        start = prev = self.pos
+        first = True
+        if known is not None:
+            at = start + len(raw[start:start + 64]) - len(raw[start:start + 64].lstrip(b" \t\r\n"))
+            if at - start < 64 and raw.startswith(known.items_raw, at):
+                items, start, prev, first = list(known.items), at, at + len(known.items_raw), False
+                self.pos = prev
+        while True:
+            at, c = await self.token()
+            if c == 93:  # "]"
+                self.expect(_TRAIL, prev, at)
+                return items, start, prev
+            self.expect(_TRAIL if first else _GAP, prev, at)
+            if c == 125:
+                self.expect(_TRAIL, at, at + 1)  # (raises: a "}" cannot begin an item)
+            if first:
+                start, first = at, False
+            prev = await self.end_of(c, depth + 1)
+            items.append(_item(raw, at, prev))
+
+
+async def _split(raw: bytes, field: str, max_tokens: int,
+                 known: _Known | None = None) -> tuple[dict[str, Any], int, int, list[Any]] | None:
+    """`orjson.loads(raw)` read a member at a time, and each array member (the history, `tools`,
+    ...) an item at a time, with the event loop served between them: (the body, where its history
+    items begin and end in `raw`, the items; -1, -1, [] when it has no history array). `known` items
+    are taken as they are where the history begins with their bytes. None when the body is not read
+    so (then it is parsed whole): not an object, more than `max_tokens` strings, brackets and
+    scalars (the CPU it may take, as Python steps), or nested deeper than orjson takes.
+
+    Why the body is the same: each key, value and item is parsed by orjson from its own bytes,
+    which in a valid body are found by matching brackets outside strings; what lies between them
+    must be white space with a comma or colon. A part orjson refuses is a body it refuses: its
+    error is raised (its offset given in the body), without parsing the rest. Keys resolve as
+    orjson resolves them: the last value wins, in the first one's place."""
+    r = _Reader(raw, max_tokens)
     try:
-        doc = orjson.loads(_OPEN + tail)
-    except orjson.JSONDecodeError:
+        at, c = await r.token()
+        if c != 123:  # "{"
+            return None
+        r.expect(_TRAIL, 0, at)
+        body: dict[str, Any] = {}
+        history: tuple[int, int] | None = None
+        prev, first = r.pos, True
+        while True:
+            at, c = await r.token()
+            if c == 125:  # "}"
+                r.expect(_TRAIL, prev, at)
+                break
+            r.expect(_TRAIL if first else _GAP, prev, at)
+            if c != 34:
+                r.expect(_TRAIL, at, at + 1)  # (raises: a key is a string)
+            first = False
+            key = _item(raw, at, r.pos)
+            colon = r.pos
+            at, c = await r.token()
+            r.expect(_COLON, colon, at)
+            if c == 91:  # "[": an array, item by item
+                items, start, end = await r.array(1, known if key == field else None)
+                body[key] = items
+                if key == field:
+                    history = (start, end)
+            else:
+                body[key] = _item(raw, at, await r.end_of(c, 1))
+                if key == field:
+                    history = None
+            prev = r.pos
+        r.expect(_TRAIL, r.pos, len(raw))
+    except _GiveUp:
         return None
-    if doc.pop(_SENTINEL) != [0]:
-        return None
-    body = head
-    body[field] = items
-    body.update(doc)  # a second history member after the first one wins, as in a whole parse
-    return body, start, prev, items
+    if history is None:
+        return body, -1, -1, []
+    return body, history[0], history[1], body[field]
 
 
 async def _string_end(raw: bytes, at: int) -> int:

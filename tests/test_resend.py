@@ -459,3 +459,57 @@ def test_an_invalid_item_is_reported_at_its_place_in_the_body() -> None:
     with pytest.raises(orjson.JSONDecodeError) as err:
         _aloads(ResendParser(split_bytes=0, min_bytes=0), "c", raw)
     assert f"at byte {at}" in str(err.value)
+
+
+def _served(parse: Any) -> tuple[Any, int]:
+    """What `parse()` (a coroutine function) returns, and how many turns another task got meanwhile."""
+    import asyncio
+
+    turns = 0
+
+    async def main() -> Any:
+        nonlocal turns
+        done = False
+
+        async def other() -> None:
+            nonlocal turns
+            while not done:
+                await asyncio.sleep(0)
+                turns += 1
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)
+        turns = 0
+        out = await parse()
+        done = True
+        await task
+        return out
+
+    return asyncio.run(main()), turns
+
+
+def test_long_members_around_the_history_are_read_in_parts_too() -> None:
+    """A 2 MB system prompt before the history and 3,000 tools after it (Anthropic's order, a
+    client's many tools): the body is read a member and an item at a time, never whole."""
+    raw = orjson.dumps({"model": "m", "system": "be brief. " * 200_000,
+                        "messages": [_message(i, "m" * 500) for i in range(1000)],
+                        "tools": [{"name": f"tool_{i}", "input_schema": {"type": "object", "x": "y" * 600}}
+                                  for i in range(3000)], "stream": True})
+    assert _split_whole(raw) is not None
+    body, turns = _served(lambda: ResendParser().aloads("c", raw, "messages"))
+    assert body == orjson.loads(raw) and turns >= 8
+
+
+def test_a_known_history_with_a_long_new_part_is_read_item_by_item() -> None:
+    """A learned history of 1,000 messages resent with 2,000 new ones (3 MB new): the known items are
+    taken as they are, the new ones read an item at a time with the loop served, and the next
+    resend knows them all."""
+    parser = ResendParser()
+    history = [_message(i, "m" * 1500) for i in range(1000)]
+    first = _aloads(parser, "c", _body(history))
+    history += [_message(i, "n" * 1500) for i in range(1000, 3000)]
+    raw = _body(history, stream=True)
+    body, turns = _served(lambda: parser.aloads("c", raw, "messages"))
+    assert body == orjson.loads(raw) and turns >= 8
+    assert body["messages"][999] is first["messages"][999]
+    assert len(parser._known["c"].items) == 3000
