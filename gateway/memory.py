@@ -213,6 +213,17 @@ def _carries_a_reply(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
     return any(dialect.role(m) == "assistant" for m in history)
 
 
+async def _carries_a_reply_served(dialect: Dialect, history: list[dict[str, Any]]) -> bool:
+    """`_carries_a_reply` for a history of any length (one memory refused as too long may hold
+    millions of items), the event loop served every 4,096 of them."""
+    for start in range(0, len(history), 4096):
+        if start:
+            await asyncio.sleep(0)
+        if _carries_a_reply(dialect, history[start:start + 4096]):
+            return True
+    return False
+
+
 def _sent(req: _Request) -> str:
     """When the request's new messages arrived, as stored."""
     return req.new_messages[0].time if req.new_messages and req.new_messages[0].time else _now()
@@ -466,7 +477,7 @@ class Memory:
         a rare request, so one load."""
         mode = self.settings.conversation.history
         delta = mode == "delta"
-        if mode == "auto" and not _carries_a_reply(dialect, history):
+        if mode == "auto" and not await _carries_a_reply_served(dialect, history):
             view = self.caches.views.get(ref)
             if view is None:
                 try:
