@@ -242,3 +242,21 @@ async def test_a_long_new_turn_after_a_long_history_is_hashed_off_the_event_loop
         stored = (await g.api("GET", "paste/messages?limit=1000"))[1]["data"]
     assert len(pasted) > 300_000 and threads == [False]
     assert stored[100]["message"]["content"] == pasted
+
+
+async def test_a_long_first_history_with_a_bad_message_is_refused_from_the_thread_that_checks_it(
+        redis_url: str) -> None:
+    """The check of a long new history runs in the thread that hashes it: a bad message among 300
+    is still the caller's 400, in its dialect, and nothing is stored."""
+    from memory_helpers import conv_headers
+
+    history: list[dict[str, Any]] = [{"role": "user" if i % 2 == 0 else "assistant",
+                                      "content": f"message {i}: " + "lorem ipsum " * 200} for i in range(300)]
+    history[150] = {"role": "assistant", "content": 5}
+    async with memory_gateway(redis_url) as g:
+        async with g.http.post(g.url + "/v1/chat/completions", json={"model": "gpt-test", "messages": history},
+                               headers={**conv_headers("bad-import"), "Authorization": f"Bearer {KEY}"}) as r:
+            status, body = r.status, await r.json()
+        stored = await g.api("GET", "bad-import/messages")
+    assert status == 400 and "messages[150]" in body["error"]["message"]
+    assert stored[0] == 404 and g.fake.requests == []
