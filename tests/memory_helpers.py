@@ -299,3 +299,26 @@ class Lines:
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [f for _, e, f in self.lines if e == name]
+
+
+@asynccontextmanager
+async def loop_turns() -> AsyncIterator[list[int]]:
+    """How many turns another task gets on the event loop while the block runs: [turns]. (A step
+    that holds the loop throughout leaves it at 0 or 1.)"""
+    turns = [0]
+    done = False
+
+    async def other() -> None:
+        while not done:
+            await asyncio.sleep(0)
+            turns[0] += 1
+
+    task = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    turns[0] = 0
+    try:
+        yield turns
+    finally:
+        done = True
+        await task
+

@@ -237,7 +237,7 @@ async def test_the_cache_marks_of_a_long_body_are_found_wherever_they_are() -> N
     """The cost model reads two marks in an Anthropic body (a `cache_control` breakpoint, the 1-hour
     cache): a long body is read once, a megabyte at a time, and a mark is found anywhere in it, across
     the edge of two slices too, as a whole-body search finds it."""
-    import asyncio
+    from memory_helpers import loop_turns
 
     from gateway.dialects import dialect_named
     from gateway.memory import _ONE_HOUR, _marks
@@ -252,16 +252,6 @@ async def test_the_cache_marks_of_a_long_body_are_found_wherever_they_are() -> N
     assert await _marks(anthropic, b"x" * size) == await _marks(anthropic, b"{}") == type(got)(False, False)
     assert (await _marks(openai_chat, mark)).one_hour is False  # Anthropic's 1-hour cache only
 
-    turns = 0
-
-    async def other() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-
-    task = asyncio.create_task(other())
-    await asyncio.sleep(0)
-    await _marks(anthropic, b"x" * size)
-    task.cancel()
-    assert turns >= 2  # served between the slices
+    async with loop_turns() as turns:
+        await _marks(anthropic, b"x" * size)
+    assert turns[0] >= 2  # served between the slices

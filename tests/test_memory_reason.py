@@ -12,6 +12,7 @@ from tests.memory_helpers import (
     Gateway,
     Lines,
     gw,  # noqa: F401 (fixture)
+    loop_turns,
     memory_gateway,
     openai_turn,
     store_url,  # noqa: F401 (fixture)
@@ -240,24 +241,12 @@ def test_a_responses_string_input_is_counted_as_one_message_not_its_characters(m
 async def test_a_history_refused_as_too_long_is_read_for_a_reply_with_the_loop_served() -> None:
     """Whether a refused history carries a reply (is it a full-history client's?) is read in
     slices: such a history may hold millions of items, each a Python step."""
-    import asyncio
-
     from gateway.dialects import dialect_named
     from gateway.memory import _carries_a_reply_served
 
     anthropic = dialect_named("anthropic")
     users = [{"role": "user", "content": "x"}] * 50_000
-    turns = 0
-
-    async def other() -> None:
-        nonlocal turns
-        while True:
-            await asyncio.sleep(0)
-            turns += 1
-
-    task = asyncio.create_task(other())
-    await asyncio.sleep(0)
-    assert await _carries_a_reply_served(anthropic, [*users, {"role": "assistant", "content": "y"}])
-    assert not await _carries_a_reply_served(anthropic, users)
-    task.cancel()
-    assert turns >= 20
+    async with loop_turns() as turns:
+        assert await _carries_a_reply_served(anthropic, [*users, {"role": "assistant", "content": "y"}])
+        assert not await _carries_a_reply_served(anthropic, users)
+    assert turns[0] >= 20

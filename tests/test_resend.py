@@ -10,6 +10,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from memory_helpers import loop_turns
 
 from gateway.resend import HOT_SECONDS, ResendParser, estimate_held
 
@@ -292,6 +293,18 @@ def _aloads(parser: ResendParser, key: Any, raw: bytes) -> Any:
     return asyncio.run(parser.aloads(key, raw, "messages"))
 
 
+def _served(parse: Any) -> tuple[Any, int]:
+    """What `parse()` (a coroutine function) returns, and how many turns another task got meanwhile."""
+    import asyncio
+
+    async def main() -> tuple[Any, int]:
+        async with loop_turns() as turns:
+            out = await parse()
+        return out, turns[0]
+
+    return asyncio.run(main())
+
+
 def _split_whole(raw: bytes) -> Any:
     """What the item-by-item reader alone makes of `raw` (None: it would be parsed whole)."""
     import asyncio
@@ -358,28 +371,14 @@ def test_a_long_first_body_is_parsed_with_the_event_loop_served_meanwhile() -> N
     raw = _body(history, stream=True)
     assert len(raw) > 12_000_000
     parser = ResendParser(max_bytes=256 << 20)
-    turns = 0
 
-    async def main() -> tuple[Any, Any]:
-        nonlocal turns
-        done = False
-
-        async def other() -> None:
-            nonlocal turns
-            while not done:
-                await asyncio.sleep(0)
-                turns += 1
-
-        task = asyncio.create_task(other())
-        await asyncio.sleep(0)
-        turns = 0
-        first = await parser.aloads("c", raw, "messages")
-        done = True
-        await task
+    async def main() -> tuple[Any, Any, int]:
+        async with loop_turns() as turns:
+            first = await parser.aloads("c", raw, "messages")
         again = await parser.aloads("c", _body([*history, _message(600)], stream=True), "messages")
-        return first, again
+        return first, again, turns[0]
 
-    first, again = asyncio.run(main())
+    first, again, turns = asyncio.run(main())
     assert first == orjson.loads(raw)
     assert turns >= 40  # served at least every 256 KB of the 12 MB (at every item, here)
     assert again["messages"][0] is first["messages"][0]  # learned: the resend reuses the parsed items
@@ -407,31 +406,10 @@ def test_an_item_nested_near_orjsons_limit_is_read_as_orjson_reads_it(depth: int
 def test_a_history_dense_in_tiny_values_is_read_with_the_loop_served_often() -> None:
     """A history of 200,000 tiny content parts (4 MB) is read in Python steps: the loop is served
     every few thousand of them, not only every 256 KB."""
-    import asyncio
-
     parts = [{"type": "text", "text": "x"}] * 200_000
     raw = _body([{"role": "user", "content": parts}, _message(1)])
-    turns = 0
-
-    async def main() -> Any:
-        nonlocal turns
-        done = False
-
-        async def other() -> None:
-            nonlocal turns
-            while not done:
-                await asyncio.sleep(0)
-                turns += 1
-
-        task = asyncio.create_task(other())
-        await asyncio.sleep(0)
-        turns = 0
-        body = await ResendParser(max_parts=400_000).aloads(None, raw, "messages")
-        done = True
-        await task
-        return body
-
-    assert asyncio.run(main()) == orjson.loads(raw)
+    body, turns = _served(lambda: ResendParser(max_parts=400_000).aloads(None, raw, "messages"))
+    assert body == orjson.loads(raw)
     assert turns >= 200  # (every 4,096 of its 1.2M brackets, strings and scalars)
 
 
@@ -459,33 +437,6 @@ def test_an_invalid_item_is_reported_at_its_place_in_the_body() -> None:
     with pytest.raises(orjson.JSONDecodeError) as err:
         _aloads(ResendParser(split_bytes=0, min_bytes=0), "c", raw)
     assert f"at byte {at}" in str(err.value)
-
-
-def _served(parse: Any) -> tuple[Any, int]:
-    """What `parse()` (a coroutine function) returns, and how many turns another task got meanwhile."""
-    import asyncio
-
-    turns = 0
-
-    async def main() -> Any:
-        nonlocal turns
-        done = False
-
-        async def other() -> None:
-            nonlocal turns
-            while not done:
-                await asyncio.sleep(0)
-                turns += 1
-
-        task = asyncio.create_task(other())
-        await asyncio.sleep(0)
-        turns = 0
-        out = await parse()
-        done = True
-        await task
-        return out
-
-    return asyncio.run(main()), turns
 
 
 def test_long_members_around_the_history_are_read_in_parts_too() -> None:
