@@ -65,8 +65,9 @@ _MAX_AROUND_BYTES = 256 << 10
 HOT_SECONDS = 30.0
 SEEN_KEYS = 4096  # conversations whose last request (not learned) is remembered for that
 _SAMPLES, _SLICE_BYTES = 4, 4 << 10  # estimate_held reads 16 KB of a body, from 4 places
-# Bodies of more bytes, not parsed around known items, are parsed a history item at a time with the
-# event loop served between them (`_split`): orjson takes about 1 ms a megabyte, all at once.
+# Bodies of more bytes (and a known history resent with as many new bytes) are read a member and an
+# item at a time with the event loop served between them (`_split`): orjson takes about 1 ms a
+# megabyte, all at once.
 SPLIT_BYTES = 1 << 20
 _SPLIT_YIELD = 256 << 10  # bytes read between two turns of the event loop
 # Tokens `_split` reads (a Python step each, ~0.3 µs) per memory.max_parts before it parses whole:
@@ -79,6 +80,7 @@ _QUOTE_STEPS = 4  # escaped quotes in a string read one by one before it is read
 _GAP = re.compile(rb'[ \t\r\n]*,[ \t\r\n]*')
 _COLON = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*')
 _TRAIL = re.compile(rb'[ \t\r\n]*')
+_AFTER_ITEM = re.compile(rb'[ \t\r\n]*[,\]]')
 _ORJSON_DEPTH = 1024  # nesting orjson takes: deeper is parsed whole (and refused at once)
 _YIELD_TOKENS = 4096  # ... and tokens read between two turns (a history of tiny values is dense in them)
 _OPENERS, _CLOSERS = frozenset(b"[{"), frozenset(b"]}")
@@ -352,8 +354,11 @@ class _Reader:
         first = True
         if known is not None:
             at = start + len(raw[start:start + 64]) - len(raw[start:start + 64].lstrip(b" \t\r\n"))
-            if at - start < 64 and raw.startswith(known.items_raw, at):
-                items, start, prev, first = list(known.items), at, at + len(known.items_raw), False
+            end = at + len(known.items_raw)
+            # (Followed by a comma or the array's end: the last known item may be a number that
+            # goes on, `1` in `12`.)
+            if at - start < 64 and raw.startswith(known.items_raw, at) and _AFTER_ITEM.match(raw, end):
+                items, start, prev, first = list(known.items), at, end, False
                 self.pos = prev
         while True:
             at, c = await self.token()

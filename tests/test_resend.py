@@ -464,3 +464,13 @@ def test_a_known_history_with_a_long_new_part_is_read_item_by_item() -> None:
     assert body == orjson.loads(raw) and turns >= 8
     assert body["messages"][999] is first["messages"][999]
     assert len(parser._known["c"].items) == 3000
+
+
+@pytest.mark.parametrize("last, resent", [(b"1", b"12"), (b"1", b"1.5"), (b"tru", b"true"), (b'"a"', b'"a" , 2')])
+def test_known_items_are_taken_only_where_they_end_an_item(last: bytes, resent: bytes) -> None:
+    """A known history whose last item is a number is not taken as the start of a longer one (`1`
+    in `12`): the resent body reads as orjson reads it."""
+    parser = ResendParser(min_bytes=0, split_bytes=0)
+    first = b'{"model": "m", "messages": [{"role": "user"}, ' + last + b"]}"
+    _same_as_orjson(parser, "c", first)
+    _same_as_orjson(parser, "c", b'{"model": "m", "messages": [{"role": "user"}, ' + resent + b"]}")
