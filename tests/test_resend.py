@@ -247,24 +247,30 @@ _json_value = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     before=st.dictionaries(st.sampled_from(["model", "system", "a]", "tools"]), _json_value, max_size=2),
     after=st.dictionaries(st.sampled_from(["stream", "tools", "max_tokens", "model"]), _json_value, max_size=3),
     steps=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), _json_value), min_size=1, max_size=6),
     indent=st.sampled_from([None, 1]),
+    scalars=st.booleans(),
+    read=st.sampled_from(["loads", "aloads"]),
 )
 def test_any_sequence_of_bodies_parses_as_orjson_parses_it(before: dict[str, Any], after: dict[str, Any],
                                                            steps: list[tuple[int, int, Any]],
-                                                           indent: int | None) -> None:
-    """Appends, retries, truncations and edits, with arbitrary members around the history: always exact."""
-    parser = ResendParser(min_bytes=0)
+                                                           indent: int | None, scalars: bool, read: str) -> None:
+    """Appends, retries, truncations and edits, with arbitrary members around the history: always
+    exact, parsed around known items (`loads`) or read item by item with them (`aloads`, as a long
+    body is), with items of any type."""
+    parser = ResendParser(min_bytes=0, split_bytes=0)
     history: list[Any] = [{"role": "user", "content": "start"}]
     for grow, cut, value in steps:
-        history = history[: max(1, len(history) - cut)] + [{"role": "user", "content": value}] * grow
+        item = value if scalars else {"role": "user", "content": value}
+        history = history[: max(1, len(history) - cut)] + [item] * grow
         members = {**before, "messages": history, **{k: v for k, v in after.items() if k not in before}}
         raw = json.dumps(members, indent=indent, ensure_ascii=False).encode()
-        assert parser.loads("c", raw, "messages") == orjson.loads(raw)
+        got = parser.loads("c", raw, "messages") if read == "loads" else _aloads(parser, "c", raw)
+        assert got == orjson.loads(raw)
 
 
 def test_a_history_of_more_parts_than_the_memory_path_takes_is_never_remembered() -> None:
