@@ -792,5 +792,7 @@ async def open_store(settings: StoreSettings) -> Store:
         client = aioredis.Redis.from_pool(pool)
     store = Store(client, Keys(settings.key_prefix), ttl=settings.ttl_seconds)
     store.embedded = url.startswith("memory://")
-    store.encodes = not store.embedded and not url.startswith("redis+cluster://")
+    # (Only connections of ours send `_Encoded` arguments: a single Redis whose pool took them.)
+    store.encodes = isinstance(client, aioredis.Redis) and not store.embedded and \
+        client.connection_pool.connection_class in _PACKED.values()
     return store
