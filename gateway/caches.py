@@ -264,8 +264,9 @@ def _new_bytes(new: list[dict[str, Any]], body_bytes: int, messages: int) -> int
         if isinstance(content, str):
             texts += len(content)
         elif isinstance(content, list):
-            texts += sum(len(p.get("text") or "") for p in content[:64] if isinstance(p, dict)
-                         and isinstance(p.get("text"), str))
+            for p in content[:64]:  # (text parts; a tool result's content)
+                for part in (p.get("text"), p.get("content")) if isinstance(p, dict) else ():
+                    texts += len(part) if isinstance(part, str) else 0
             texts += 1 << 20 if len(content) > 64 else 0  # (many parts: taken as long)
     return max(share, texts)
 
