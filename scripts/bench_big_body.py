@@ -6,7 +6,7 @@ conversation, while a poller asks `GET /healthz` every 2 ms. The loop's stall is
 sees: the slowest /healthz answer while the big request is in flight (after it too, until its
 fold is done: `--settle` seconds), against the idle median. Prints one line per shape: status,
 request time, the worst and second-worst /healthz times while requests were in flight over all
-repeats, and the worst in the seconds after them.
+repeats, and the worst in the seconds after them. Each conversation is deleted once measured.
 
     python scripts/bench_big_body.py --redis redis://127.0.0.1:6379/12
     python scripts/bench_big_body.py --store memory:// --mb 30 --repeat 5 --shapes messages,one-text
@@ -112,6 +112,9 @@ async def one(url: str, path: str, raw: bytes, conv: str,
         await asyncio.sleep(settle)
         stop = True
         await poller
+        # What the request stored (tens of MB) does not stay in the store.
+        async with http.delete(url + "/gateway/conversations/" + conv, headers=headers) as r:
+            await r.read()
     # (A poll in flight when the answer came is counted with the request.)
     return status, took, lat[:answered + 1], lat[answered + 1:], idle
 
