@@ -291,6 +291,12 @@ class ResendParser:
             self._bytes -= old.size
 
 
+def _past_space(raw: bytes, start: int, end: int) -> int:
+    """The first offset from `start` (up to `end`) that is not JSON white space."""
+    m = _TRAIL.match(raw, start, end)
+    return m.end() if m else start
+
+
 class _GiveUp(Exception):
     """The body is not read item by item (a budget or a depth past its bound): parsed whole."""
 
@@ -340,7 +346,7 @@ class _Reader:
         """The bytes between two tokens are `gap` (white space, with a comma or colon), or the body
         is not JSON: in a valid body nothing else lies between tokens."""
         if gap.fullmatch(self.raw, start, end) is None:
-            at = start + len(self.raw[start:end]) - len(self.raw[start:end].lstrip(b" \t\r\n"))
+            at = _past_space(self.raw, start, end)  # (where it goes wrong)
             err = orjson.JSONDecodeError("unexpected character", "", 0)
             err.pos, err.args = at, (f"unexpected character at byte {at}",)
             raise err
@@ -353,7 +359,7 @@ class _Reader:
         start = prev = self.pos
         first = True
         if known is not None:
-            at = start + len(raw[start:start + 64]) - len(raw[start:start + 64].lstrip(b" \t\r\n"))
+            at = _past_space(raw, start, start + 64)
             end = at + len(known.items_raw)
             # (Followed by a comma or the array's end: the last known item may be a number that
             # goes on, `1` in `12`.)
