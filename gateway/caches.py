@@ -144,6 +144,7 @@ class ConversationCaches:
         self.forwarded: OrderedDict[Conv, Forwarded] = OrderedDict()
         self.originals: OrderedDict[Conv, Forwarded] = OrderedDict()
         self.held: OrderedDict[Conv, Held] = OrderedDict()
+        self._holding: dict[Conv, int] = {}  # holds copying in a thread: the latest one's ticket
         self.edits = 0  # edits seen (edited), and change-channel gaps, which may have hidden some
         self.writes = RecentWrites(size)
         # (tenant, conversation, dialect) → the last request's messages and their hashes.
@@ -188,8 +189,15 @@ class ConversationCaches:
                 reuse = before.tail
         new = held.tail[len(reuse):]
         if len(new) > HOLD_OFF_LOOP:
-            copies = await asyncio.to_thread(lambda: tuple(replace(t, raw={}) for t in new))
-            if edits != self.edits:
+            ticket = self._holding[key] = self._holding.get(key, 0) + 1
+            try:
+                copies = await asyncio.to_thread(lambda: tuple(replace(t, raw={}) for t in new))
+            finally:
+                latest = self._holding.get(key) == ticket
+                if latest:
+                    del self._holding[key]
+            # An edit meanwhile wins, and so does a later request's hold that began meanwhile.
+            if edits != self.edits or not latest or self.held.get(key) is not before:
                 return
         else:
             copies = tuple(replace(t, raw={}) for t in new)

@@ -124,3 +124,40 @@ async def test_an_import_held_for_its_cache_is_copied_off_the_loop_and_an_edit_m
     monkeypatch.setattr(caches.asyncio, "to_thread", edited_meanwhile)
     await cache.hold(ConvRef("t", "other"), held, cache.edits)
     assert caches.conv_key(ConvRef("t", "other")) not in cache.held
+
+
+async def test_an_older_hold_that_finishes_last_does_not_replace_a_newer_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two rewrites of one import held while their copies are made in threads: the first request's
+    copies come back last, and the held layers stay the second request's."""
+    import asyncio
+
+    from gateway.keys import ConvRef
+    from gateway.model import Message
+    from gateway.recall import RecallCache
+
+    def held(n: int, state: str) -> caches.Held:
+        msgs = tuple(Message(raw={"role": "user", "content": f"m{i}"}, role="user", text=f"m{i}", tokens=3,
+                             hash=f"h{i}", chain=f"c{i}") for i in range(n))
+        return caches.Held(None, None, state, 1, 0, msgs)
+
+    ref = ConvRef("t", "imported")
+    cache = caches.ConversationCaches(live=True, recall=RecallCache(1 << 20))
+    to_thread = asyncio.to_thread
+    slow = asyncio.Event()
+    calls = 0
+
+    async def first_one_slow(fn: Any, *args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await slow.wait()
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(caches.asyncio, "to_thread", first_one_slow)
+    older = asyncio.create_task(cache.hold(ref, held(1500, "older"), cache.edits))
+    await asyncio.sleep(0.01)
+    await cache.hold(ref, held(1600, "newer"), cache.edits)
+    slow.set()
+    await older
+    kept = cache.held[caches.conv_key(ref)]
+    assert kept.state_block == "newer" and len(kept.tail) == 1600
