@@ -265,8 +265,10 @@ if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 return v + 1
 """
 
-# KEYS: stats. ARGV: ttl, then the pairs as in STATS (counted from ARGV[2]).
+# KEYS: stats, meta. ARGV: ttl, then the pairs as in STATS (counted from ARGV[2]). Nothing for a
+# conversation that is not stored (deleted while a fold ran: its stats would stay behind, alone).
 ADD_STATS = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
 local k = tonumber(ARGV[2])
 for i = 1, k do redis.call('HINCRBY', KEYS[1], ARGV[1 + 2 * i], ARGV[2 + 2 * i]) end
 if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end

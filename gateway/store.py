@@ -495,7 +495,8 @@ class Store:
             return
         with _guard:
             # One EVALSHA rather than a pipeline of HINCRBYs: a tenth of the commands to encode.
-            await self._add_stats(keys=[self.keys.stats(ref)], args=[self.ttl, *_stat_args(increments)])
+            await self._add_stats(keys=[self.keys.stats(ref), self.keys.meta(ref)],
+                                  args=[self.ttl, *_stat_args(increments)])
 
     async def stats(self, ref: ConvRef) -> dict[str, int]:
         with _guard:

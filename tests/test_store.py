@@ -457,6 +457,7 @@ async def test_project_state_is_shared_by_its_conversations(store: Store) -> Non
 
 async def test_stats_counters(store: Store) -> None:
     """add_stats increments integer counters that load and stats() return."""
+    await fill(store, REF, turns("m", 2))
     await store.add_stats(REF, requests=1, tokens_saved=100)
     await store.add_stats(REF, requests=1)
     assert await store.stats(REF) == {"requests": 2, "tokens_saved": 100}
@@ -514,6 +515,9 @@ async def test_delete_forgets_the_conversation(store: Store) -> None:
     await store.delete(ref)
     view = await store.load(ref)
     assert view.length == 0 and view.stats == {} and view.state == {"x": 1}
+    assert await store.redis.exists(*store.keys.conversation_keys(ref)) == 0
+    # A fold that ends after the delete adds its summarizer stats: they do not bring a key back.
+    await store.add_stats(ref, folds=1, summarizer_tokens_in=10)
     assert await store.redis.exists(*store.keys.conversation_keys(ref)) == 0
 
 
