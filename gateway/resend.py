@@ -70,9 +70,6 @@ _SAMPLES, _SLICE_BYTES = 4, 4 << 10  # estimate_held reads 16 KB of a body, from
 # megabyte, all at once.
 SPLIT_BYTES = 1 << 20
 _SPLIT_YIELD = 256 << 10  # bytes read between two turns of the event loop
-# Tokens `_split` reads (a Python step each, ~0.3 µs) per memory.max_parts before it parses whole:
-# a history of millions of tiny values is cheaper in one orjson call than in Python steps.
-SPLIT_TOKENS_PER_PART = 64
 # What `_split` reads: a string's opening quote (`_string_end` finds its end, so brackets quoted in
 # text are skipped), brackets, and scalars (a history item may be one).
 _TOKEN = re.compile(rb'["\[\]{}]|[-0-9tfn][-+.0-9a-zA-Z]*')
@@ -183,7 +180,7 @@ class ResendParser:
             body = self._resent(key, known, raw, field)  # (what is new is parsed in one call)
             if body is not None:
                 return body
-        split = await _split(raw, field, SPLIT_TOKENS_PER_PART * self.max_parts, known)
+        split = await _split(raw, field, known)
         if split is None:
             return self.loads(key, raw, field)
         body, start, end, items = split
@@ -297,32 +294,37 @@ def _past_space(raw: bytes, start: int, end: int) -> int:
     return m.end() if m else start
 
 
-class _GiveUp(Exception):
-    """The body is not read item by item (a budget or a depth past its bound): parsed whole."""
+def _invalid(what: str, at: int) -> orjson.JSONDecodeError:
+    """The body's 400, for a part that is not JSON where it lies (`at`, a byte offset in the body)."""
+    err = orjson.JSONDecodeError(what, "", 0)
+    err.pos, err.args = at, (f"{what} at byte {at}",)
+    return err
 
 
 class _Reader:
-    """The tokens of a body (`_TOKEN`; a string whole, its end found by `_string_end`), within a
-    budget of `left` tokens, the event loop served every _SPLIT_YIELD bytes and _YIELD_TOKENS tokens."""
+    """The tokens of a body (`_TOKEN`; a string whole, its end found by `_string_end`), the event loop
+    served every _SPLIT_YIELD bytes and _YIELD_TOKENS tokens. A body of millions of tiny values (a
+    hostile one: orjson takes seconds over some of them) costs Python steps, ~0.4 µs a token, with
+    the loop served between them, not one call that holds it throughout."""
 
-    def __init__(self, raw: bytes, max_tokens: int) -> None:
-        self.raw, self.pos, self.left, self.pause = raw, 0, max_tokens, _SPLIT_YIELD
+    def __init__(self, raw: bytes) -> None:
+        self.raw, self.pos, self.count, self.pause = raw, 0, 0, _SPLIT_YIELD
 
     async def token(self) -> tuple[int, int]:
         """(start, first byte) of the next token; `pos` is then its end."""
         raw = self.raw
-        self.left -= 1
-        m = _TOKEN.search(raw, self.pos) if self.left >= 0 else None
+        self.count += 1
+        m = _TOKEN.search(raw, self.pos)
         if m is None:
-            raise _GiveUp  # out of budget, or no token left (then orjson says what is wrong)
+            raise _invalid("unexpected end of data", len(raw))
         at, self.pos = m.start(), m.end()
         c = raw[at]
         if c == 34:  # '"': a quote not after a backslash closes it (the usual string, read here)
             q = raw.find(b'"', self.pos)
             self.pos = q + 1 if q > 0 and raw[q - 1] != 92 else await _string_end(raw, at)
             if self.pos < 0:
-                raise _GiveUp
-        if self.pos > self.pause or not self.left % _YIELD_TOKENS:
+                raise _invalid("a string that does not end", at)
+        if self.pos > self.pause or not self.count % _YIELD_TOKENS:
             await asyncio.sleep(0)
             self.pause = self.pos + _SPLIT_YIELD
         return at, c
@@ -337,7 +339,7 @@ class _Reader:
             if c in _OPENERS:
                 level += 1
                 if depth + level > _ORJSON_DEPTH:
-                    raise _GiveUp  # (orjson refuses it at once)
+                    raise _invalid("nested deeper than 1,024 levels", self.pos - 1)
             elif c in _CLOSERS:
                 level -= 1
         return self.pos
@@ -346,10 +348,7 @@ class _Reader:
         """The bytes between two tokens are `gap` (white space, with a comma or colon), or the body
         is not JSON: in a valid body nothing else lies between tokens."""
         if gap.fullmatch(self.raw, start, end) is None:
-            at = _past_space(self.raw, start, end)  # (where it goes wrong)
-            err = orjson.JSONDecodeError("unexpected character", "", 0)
-            err.pos, err.args = at, (f"unexpected character at byte {at}",)
-            raise err
+            raise _invalid("unexpected character", _past_space(self.raw, start, end))
 
     async def array(self, depth: int, known: _Known | None = None) -> tuple[list[Any], int, int]:
         """The items of the array whose `[` was just read, each parsed by orjson from its own bytes:
@@ -380,55 +379,52 @@ class _Reader:
             items.append(_item(raw, at, prev))
 
 
-async def _split(raw: bytes, field: str, max_tokens: int,
+async def _split(raw: bytes, field: str,
                  known: _Known | None = None) -> tuple[dict[str, Any], int, int, list[Any]] | None:
     """`orjson.loads(raw)` read a member at a time, and each array member (the history, `tools`,
     ...) an item at a time, with the event loop served between them: (the body, where its history
     items begin and end in `raw`, the items; -1, -1, [] when it has no history array). `known` items
-    are taken as they are where the history begins with their bytes. None when the body is not read
-    so (then it is parsed whole): not an object, more than `max_tokens` strings, brackets and
-    scalars (the CPU it may take, as Python steps), or nested deeper than orjson takes.
+    are taken as they are where the history begins with their bytes. None when the body is not an
+    object (then it is parsed whole, and refused by the caller).
 
     Why the body is the same: each key, value and item is parsed by orjson from its own bytes,
     which in a valid body are found by matching brackets outside strings; what lies between them
     must be white space with a comma or colon. A part orjson refuses is a body it refuses: its
-    error is raised (its offset given in the body), without parsing the rest. Keys resolve as
-    orjson resolves them: the last value wins, in the first one's place."""
-    r = _Reader(raw, max_tokens)
-    try:
-        at, c = await r.token()
-        if c != 123:  # "{"
-            return None
-        r.expect(_TRAIL, 0, at)
-        body: dict[str, Any] = {}
-        history: tuple[int, int] | None = None
-        prev, first = r.pos, True
-        while True:
-            at, c = await r.token()
-            if c == 125:  # "}"
-                r.expect(_TRAIL, prev, at)
-                break
-            r.expect(_TRAIL if first else _GAP, prev, at)
-            if c != 34:
-                r.expect(_TRAIL, at, at + 1)  # (raises: a key is a string)
-            first = False
-            key = _item(raw, at, r.pos)
-            colon = r.pos
-            at, c = await r.token()
-            r.expect(_COLON, colon, at)
-            if c == 91:  # "[": an array, item by item
-                items, start, end = await r.array(1, known if key == field else None)
-                body[key] = items
-                if key == field:
-                    history = (start, end)
-            else:
-                body[key] = _item(raw, at, await r.end_of(c, 1))
-                if key == field:
-                    history = None
-            prev = r.pos
-        r.expect(_TRAIL, r.pos, len(raw))
-    except _GiveUp:
+    error is raised (its offset given in the body), without parsing the rest; so is a body that
+    ends early, or nests deeper than orjson takes. Keys resolve as orjson resolves them: the last
+    value wins, in the first one's place."""
+    r = _Reader(raw)
+    at, c = await r.token()
+    if c != 123:  # "{"
         return None
+    r.expect(_TRAIL, 0, at)
+    body: dict[str, Any] = {}
+    history: tuple[int, int] | None = None
+    prev, first = r.pos, True
+    while True:
+        at, c = await r.token()
+        if c == 125:  # "}"
+            r.expect(_TRAIL, prev, at)
+            break
+        r.expect(_TRAIL if first else _GAP, prev, at)
+        if c != 34:
+            r.expect(_TRAIL, at, at + 1)  # (raises: a key is a string)
+        first = False
+        key = _item(raw, at, r.pos)
+        colon = r.pos
+        at, c = await r.token()
+        r.expect(_COLON, colon, at)
+        if c == 91:  # "[": an array, item by item
+            items, start, end = await r.array(1, known if key == field else None)
+            body[key] = items
+            if key == field:
+                history = (start, end)
+        else:
+            body[key] = _item(raw, at, await r.end_of(c, 1))
+            if key == field:
+                history = None
+        prev = r.pos
+    r.expect(_TRAIL, r.pos, len(raw))
     if history is None:
         return body, -1, -1, []
     return body, history[0], history[1], body[field]

@@ -317,7 +317,7 @@ def _split_whole(raw: bytes) -> Any:
 
     from gateway.resend import _split
 
-    return asyncio.run(_split(raw, "messages", 1 << 20))
+    return asyncio.run(_split(raw, "messages"))
 
 
 def _same_as_orjson(parser: ResendParser, key: Any, raw: bytes) -> None:
@@ -480,3 +480,20 @@ def test_known_items_are_taken_only_where_they_end_an_item(last: bytes, resent: 
     first = b'{"model": "m", "messages": [{"role": "user"}, ' + last + b"]}"
     _same_as_orjson(parser, "c", first)
     _same_as_orjson(parser, "c", b'{"model": "m", "messages": [{"role": "user"}, ' + resent + b"]}")
+
+
+def test_a_body_of_tiny_values_by_the_hundred_thousand_is_read_with_the_loop_served() -> None:
+    """`messages: [[], [], ...]` half a million times (an attack's body, at a quarter of its size:
+    orjson alone takes seconds over such bodies, all in one call) is read in Python steps with the
+    loop served between them;
+    a body that ends early, or nests past orjson's depth at its very end, is refused by the reader
+    itself, not after a whole parse."""
+    raw = b'{"model": "m", "messages": [' + b"[]," * 500_000 + b'[]], "stream": true}'
+    body, turns = _served(lambda: ResendParser().aloads(None, raw, "messages"))
+    assert len(body["messages"]) == 500_001 and body["stream"] is True
+    assert turns >= 200
+    for bad in (raw[:-30], raw[:-2] + b', "x": ' + b"[" * 1100 + b"]" * 1100 + b"}"):
+        with pytest.raises(orjson.JSONDecodeError):
+            orjson.loads(bad)
+        with pytest.raises(orjson.JSONDecodeError):
+            _split_whole(bad)
