@@ -27,7 +27,7 @@ from gateway.config import Settings
 from gateway.dialects import Dialect, dialect_for_path
 from gateway.metrics import Metrics
 from gateway.model import Usage
-from gateway.resend import ResendParser
+from gateway.resend import ResendParser, TooManyValues
 from gateway.stream_usage import UsageTap, ask_for_usage
 from gateway.transport import HTTPClient, Response, UpstreamError, UpstreamTimeout
 from gateway.upstream import Upstream, request_headers, response_headers, upstreams
@@ -202,6 +202,8 @@ class Proxy:
                 body = await self.bodies.aloads(key, raw, dialect.history_field)
             except orjson.JSONDecodeError as exc:
                 raise GatewayError(400, None, f"request body is not valid JSON: {exc}") from None
+            except TooManyValues as exc:
+                raise GatewayError(400, None, str(exc)) from None
             if not isinstance(body, dict):
                 raise GatewayError(400, None, "request body must be a JSON object")
             stream = dialect.is_stream(body)

@@ -80,6 +80,10 @@ _TRAIL = re.compile(rb'[ \t\r\n]*')
 _AFTER_ITEM = re.compile(rb'[ \t\r\n]*[,\]]')
 _ORJSON_DEPTH = 1024  # nesting orjson takes: deeper is parsed whole (and refused at once)
 _YIELD_TOKENS = 4096  # ... and tokens read between two turns (a history of tiny values is dense in them)
+# Strings, brackets and scalars a body may hold, per memory.max_parts (2,000,000 at the default):
+# past it the body is refused. Each costs ~1 µs to read and a Python object to hold; an attack's
+# body of 10 million tiny values took 20 s of CPU and held the loop in full garbage collections.
+VALUES_PER_PART = 100
 _OPENERS, _CLOSERS = frozenset(b"[{"), frozenset(b"]}")
 # This interpreter's object headers (a str's is 49 bytes on 3.11, 41 on 3.12).
 _STR, _DICT, _LIST = sys.getsizeof(""), sys.getsizeof({"role": 0, "content": 0}), sys.getsizeof([])
@@ -180,7 +184,7 @@ class ResendParser:
             body = self._resent(key, known, raw, field)  # (what is new is parsed in one call)
             if body is not None:
                 return body
-        split = await _split(raw, field, known)
+        split = await _split(raw, field, known, VALUES_PER_PART * self.max_parts)
         if split is None:
             return self.loads(key, raw, field)
         body, start, end, items = split
@@ -294,6 +298,10 @@ def _past_space(raw: bytes, start: int, end: int) -> int:
     return m.end() if m else start
 
 
+class TooManyValues(ValueError):
+    """A body of more JSON values than the gateway reads (`VALUES_PER_PART` x memory.max_parts)."""
+
+
 def _invalid(what: str, at: int) -> orjson.JSONDecodeError:
     """The body's 400, for a part that is not JSON where it lies (`at`, a byte offset in the body)."""
     err = orjson.JSONDecodeError(what, "", 0)
@@ -303,17 +311,19 @@ def _invalid(what: str, at: int) -> orjson.JSONDecodeError:
 
 class _Reader:
     """The tokens of a body (`_TOKEN`; a string whole, its end found by `_string_end`), the event loop
-    served every _SPLIT_YIELD bytes and _YIELD_TOKENS tokens. A body of millions of tiny values (a
-    hostile one: orjson takes seconds over some of them) costs Python steps, ~0.4 µs a token, with
-    the loop served between them, not one call that holds it throughout."""
+    served every _SPLIT_YIELD bytes and _YIELD_TOKENS tokens, at most `max_values` of them."""
 
-    def __init__(self, raw: bytes) -> None:
+    def __init__(self, raw: bytes, max_values: int) -> None:
         self.raw, self.pos, self.count, self.pause = raw, 0, 0, _SPLIT_YIELD
+        self.max_values = max_values
 
     async def token(self) -> tuple[int, int]:
         """(start, first byte) of the next token; `pos` is then its end."""
         raw = self.raw
         self.count += 1
+        if self.count > self.max_values:
+            raise TooManyValues(f"the request body holds more than {self.max_values:,} JSON values "
+                                f"({VALUES_PER_PART} per memory.max_parts); the gateway does not read it")
         m = _TOKEN.search(raw, self.pos)
         if m is None:
             raise _invalid("unexpected end of data", len(raw))
@@ -379,8 +389,8 @@ class _Reader:
             items.append(_item(raw, at, prev))
 
 
-async def _split(raw: bytes, field: str,
-                 known: _Known | None = None) -> tuple[dict[str, Any], int, int, list[Any]] | None:
+async def _split(raw: bytes, field: str, known: _Known | None = None,
+                 max_values: int = VALUES_PER_PART * 20_000) -> tuple[dict[str, Any], int, int, list[Any]] | None:
     """`orjson.loads(raw)` read a member at a time, and each array member (the history, `tools`,
     ...) an item at a time, with the event loop served between them: (the body, where its history
     items begin and end in `raw`, the items; -1, -1, [] when it has no history array). `known` items
@@ -392,8 +402,8 @@ async def _split(raw: bytes, field: str,
     must be white space with a comma or colon. A part orjson refuses is a body it refuses: its
     error is raised (its offset given in the body), without parsing the rest; so is a body that
     ends early, or nests deeper than orjson takes. Keys resolve as orjson resolves them: the last
-    value wins, in the first one's place."""
-    r = _Reader(raw)
+    value wins, in the first one's place. Past `max_values` tokens, `TooManyValues`."""
+    r = _Reader(raw, max_values)
     at, c = await r.token()
     if c != 123:  # "{"
         return None

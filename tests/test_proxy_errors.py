@@ -113,6 +113,18 @@ async def test_a_long_body_in_many_pieces_is_forwarded_byte_for_byte(fake: FakeU
     assert fake.requests[0].raw == big
 
 
+async def test_a_body_of_too_many_json_values_is_a_400_in_the_callers_dialect(fake: FakeUpstream) -> None:
+    """A long body of more JSON values than 100 x memory.max_parts (an attack's millions of tiny
+    values took 20 s of CPU to read) is refused, in the caller's dialect, and not forwarded."""
+    big = b'{"model": "m", "max_tokens": 5, "messages": [' + b"[]," * 400_000 + b"[]]}"
+    async with serve_app(create_app(fake.settings(memory={"max_parts": 100}), memory=False)) as url:
+        status, _, body = await call(url + "/v1/chat/completions", data=big, headers=JSON)
+        assert status == 400 and openai_shaped(body) and "more than 10,000 JSON values" in body["error"]["message"]
+        status, _, body = await call(url + "/v1/messages", data=big, headers=JSON)
+        assert status == 400 and anthropic_shaped(body)
+    assert fake.requests == []
+
+
 async def test_unknown_route_in_callers_dialect(gateway: str) -> None:
     """A path outside /v1 is a 404, shaped by anthropic-version when present."""
     status, _, body = await call(gateway + "/v2/whatever", "GET")

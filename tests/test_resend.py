@@ -497,3 +497,8 @@ def test_a_body_of_tiny_values_by_the_hundred_thousand_is_read_with_the_loop_ser
             orjson.loads(bad)
         with pytest.raises(orjson.JSONDecodeError):
             _split_whole(bad)
+    # Past 100 values per memory.max_parts, the reader stops: the body is refused, not read on.
+    from gateway.resend import TooManyValues
+
+    with pytest.raises(TooManyValues):
+        _aloads(ResendParser(max_parts=5_000), None, raw)
