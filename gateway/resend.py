@@ -78,7 +78,7 @@ _GAP = re.compile(rb'[ \t\r\n]*,[ \t\r\n]*')
 _COLON = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*')
 _TRAIL = re.compile(rb'[ \t\r\n]*')
 _AFTER_ITEM = re.compile(rb'[ \t\r\n]*[,\]]')
-_ORJSON_DEPTH = 1024  # nesting orjson takes: deeper is parsed whole (and refused at once)
+_ORJSON_DEPTH = 1024  # nesting orjson takes: deeper is refused (as orjson refuses it, at once)
 _YIELD_TOKENS = 4096  # ... and tokens read between two turns (a history of tiny values is dense in them)
 # Strings, brackets and scalars a body may hold, per memory.max_parts (2,000,000 at the default):
 # past it the body is refused. Each costs ~1 µs to read and a Python object to hold; an attack's
