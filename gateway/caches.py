@@ -40,6 +40,7 @@ from gateway.model import Message, Summary
 from gateway.recall import RecallCache
 from gateway.reconcile import chain_hashes
 from gateway.tokens import TokenCounter
+from gateway.validate import string_bytes
 from gateway.views import KnownViews
 
 Conv = tuple[str, str]  # (tenant, conversation): the caches' key
@@ -262,21 +263,11 @@ class ConversationCaches:
 
 def _new_bytes(new: list[dict[str, Any]], body_bytes: int, messages: int) -> int:
     """About how many bytes the new messages hold: their share of the body by count, or for a few of
-    them (a resend's turn after a long history: one may be a pasted file) their texts' lengths."""
+    them (a resend's turn after a long history: one may be a pasted file or a picture) their strings'."""
     share = body_bytes * len(new) // max(messages, 1)
     if len(new) > 8:
         return share
-    texts = 0
-    for m in new:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, str):
-            texts += len(content)
-        elif isinstance(content, list):
-            for p in content[:64]:  # (text parts; a tool result's content)
-                for part in (p.get("text"), p.get("content")) if isinstance(p, dict) else ():
-                    texts += len(part) if isinstance(part, str) else 0
-            texts += 1 << 20 if len(content) > 64 else 0  # (many parts: taken as long)
-    return max(share, texts)
+    return max(share, sum(string_bytes(m) for m in new))
 
 
 class Blocks:

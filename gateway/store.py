@@ -68,6 +68,7 @@ from gateway.keys import (
 )
 from gateway.model import ConversationView, Message, Summary
 from gateway.queue import FoldQueue, job_fields
+from gateway.validate import string_bytes
 
 
 class StoreUnavailable(Exception):
@@ -206,10 +207,19 @@ def _encoded(args: list[bytes | str | int]) -> _Encoded:
     return _Encoded(b"".join(pieces), len(args))
 
 
+def _record_bytes(turns: Sequence[Message]) -> int:
+    """About the bytes the turns' records hold: each text twice (as text and in the message), and
+    what else the message holds (a picture as a data URL: megabytes that count few tokens)."""
+    total = 2 * sum(len(t.text) for t in turns)
+    if total <= OFF_LOOP_BYTES:
+        total += sum(string_bytes(t.raw, 64) for t in turns[:256])
+    return total
+
+
 async def _turn_args_of(turns: Sequence[Message], encode: bool) -> list[bytes | str | int | _Encoded]:
     """`_turn_args`, for many megabytes of turns in a thread (as `_turns`), and there put in the
     wire format when `encode` (the store's connections send `_Encoded` arguments)."""
-    if sum(len(t.text) for t in turns) > OFF_LOOP_BYTES // 2:  # (each record holds the text twice)
+    if _record_bytes(turns) > OFF_LOOP_BYTES:
         if encode:
             return [await asyncio.to_thread(lambda: _encoded(_turn_args(turns)))]
         return list(await asyncio.to_thread(_turn_args, turns))

@@ -63,6 +63,24 @@ def parts_over(items: Any, limit: int, levels: int = 3) -> bool:
     return _left(items, limit, levels) < 0
 
 
+def string_bytes(value: Any, nodes: int = 256) -> int:
+    """About the bytes a JSON value's strings hold (characters: a byte each for ASCII), reading at
+    most `nodes` of its dicts, lists and strings: what decides whether work over a message (its
+    hash, its record) goes to a thread. A picture as a data URL is megabytes in one string."""
+    total = 0
+    stack = [value]
+    while stack and nodes > 0:
+        nodes -= 1
+        v = stack.pop()
+        if type(v) is str:
+            total += len(v)
+        elif type(v) is dict:
+            stack.extend(v.values())
+        elif type(v) is list:
+            stack.extend(v[:nodes])
+    return total
+
+
 def body_parts_over(body: dict[str, Any], history_field: str, limit: int, history: Any = None) -> bool:
     """`parts_over` for a whole request: its history's parts (or those of `history`, the messages not
     counted before), and the entries of its other arrays (system blocks, instructions, tools) with

@@ -260,3 +260,44 @@ async def test_a_long_first_history_with_a_bad_message_is_refused_from_the_threa
         stored = await g.api("GET", "bad-import/messages")
     assert status == 400 and "messages[150]" in body["error"]["message"]
     assert stored[0] == 404 and g.fake.requests == []
+
+
+async def test_pictures_are_hashed_and_stored_off_the_event_loop(redis_url: str, monkeypatch: Any) -> None:
+    """Two pictures as data URLs (700 KB each) count a few tokens but are megabytes to hash, encode
+    and send: that work is done in threads, not on the event loop, and the messages are stored
+    whole."""
+    import base64
+    import random
+    import threading
+
+    import gateway.caches
+    import gateway.store
+
+    where: dict[str, list[bool]] = {"hash": [], "record": []}
+    real_hash, real_args = gateway.caches.content_hash, gateway.store._turn_args
+
+    def hash_spy(dialect: Any, raw: dict[str, Any]) -> str:
+        if isinstance(raw.get("content"), list):
+            where["hash"].append(threading.current_thread() is threading.main_thread())
+        return real_hash(dialect, raw)
+
+    def args_spy(turns: Any) -> Any:
+        where["record"].append(threading.current_thread() is threading.main_thread())
+        return real_args(turns)
+
+    monkeypatch.setattr(gateway.caches, "content_hash", hash_spy)
+    monkeypatch.setattr(gateway.store, "_turn_args", args_spy)
+    rng = random.Random(5)
+    history: list[dict[str, Any]] = []
+    for i in range(2):
+        url = "data:image/png;base64," + base64.b64encode(rng.randbytes(525_000)).decode()
+        history += [{"role": "user", "content": [{"type": "text", "text": f"what is in picture {i}?"},
+                                                 {"type": "image_url", "image_url": {"url": url}}]},
+                    {"role": "assistant", "content": f"a cat, number {i}"}]
+    history.append({"role": "user", "content": "and both together?"})
+    async with memory_gateway(redis_url) as g:
+        await openai_turn(g, g.openai(), "pictures", history)
+        stored = (await g.api("GET", "pictures/messages"))[1]["data"]
+    assert where["hash"] == [False, False]  # both pictures' messages, in a worker thread
+    assert where["record"] and not where["record"][0]  # the first request's records: in a thread
+    assert [m["message"] for m in stored[:5]] == history
