@@ -14,13 +14,15 @@ repeats, and the worst in the seconds after them. Each conversation is deleted o
 Shapes: `messages` (2,000 messages), `small` (60,000 messages of ~500 bytes: over memory.max_messages
 is not the point; the parse is), `one-text` (one message holding the whole body, ASCII), `code`
 (one message of code: escaped quotes, backslashes, non-ASCII), `anthropic` (2,000 messages on
-/v1/messages), `resend` (the `messages` body again with one more message, on the same conversation).
+/v1/messages), `resend` (the `messages` body again with one more message, on the same conversation),
+`images` (four user messages with a picture each, as a data URL: few tokens, stored whole).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import random
 import socket
@@ -41,7 +43,7 @@ from gateway.testing import FakeUpstream
 WORDS = ("we", "decided", "to", "use", "PostgreSQL", "16", "for", "the", "orders", "service", "because", "the",
          "cache", "in", "Redis", "kept", "latency", "low", "and", "the", "deploy", "goes", "out", "on", "Friday")
 CODE = 'def f{}(x):\n    return "a\\\\b" + x  # {{é}} [1, 2]\n'
-SHAPES = ("messages", "small", "one-text", "code", "anthropic", "resend")
+SHAPES = ("messages", "small", "one-text", "code", "anthropic", "resend", "images")
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -53,6 +55,14 @@ def body(shape: str, mb: float, rng: random.Random) -> tuple[str, dict[str, Any]
     if shape in ("messages", "anthropic", "resend"):
         n = 2000
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": _text(rng, size // n)} for i in range(n)]
+    elif shape == "images":  # four pictures as data URLs: stored whole, though they count few tokens
+        msgs = []
+        for i in range(4):
+            picture = base64.b64encode(rng.randbytes(size // 4 * 3 // 4)).decode()
+            msgs += [{"role": "user", "content": [{"type": "text", "text": f"what is in picture {i}?"},
+                                                  {"type": "image_url",
+                                                   "image_url": {"url": "data:image/png;base64," + picture}}]},
+                     {"role": "assistant", "content": _text(rng, 400)}]
     elif shape == "small":
         n = size // 500
         msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": _text(rng, 450)} for i in range(n)]
