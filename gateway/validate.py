@@ -17,6 +17,7 @@ a turn's check reads only what is new.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 # Deeper than any real message (a tool result holding blocks holding text is 4 levels); orjson
@@ -66,18 +67,21 @@ def parts_over(items: Any, limit: int, levels: int = 3) -> bool:
 def string_bytes(value: Any, nodes: int = 256) -> int:
     """About the bytes a JSON value's strings hold (characters: a byte each for ASCII), reading at
     most `nodes` of its dicts, lists and strings: what decides whether work over a message (its
-    hash, its record) goes to a thread. A picture as a data URL is megabytes in one string."""
+    hash, its record) goes to a thread. A picture as a data URL is megabytes in one string. A value
+    of more nodes than that is taken for a long one (at least a megabyte)."""
     total = 0
     stack = [value]
-    while stack and nodes > 0:
+    while stack:
+        if nodes == 0:
+            return max(total, 1 << 20)
         nodes -= 1
         v = stack.pop()
         if type(v) is str:
             total += len(v)
         elif type(v) is dict:
-            stack.extend(v.values())
+            stack.extend(islice(v.values(), nodes + 1))  # (one more than can be read: enough to run out)
         elif type(v) is list:
-            stack.extend(v[:nodes])
+            stack.extend(v[:nodes + 1])
     return total
 
 

@@ -127,3 +127,16 @@ async def test_a_member_nested_past_what_can_be_written_back_is_a_400_when_rewri
             assert error["type"] == "invalid_request_error" and "nested" in error["message"]
         async with g.http.post(f"{g.url}/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status == 200 and r.headers["x-gateway-context"] == "rewritten"
+
+
+def test_string_bytes_reads_a_bounded_part_of_any_message() -> None:
+    """The estimate that sends a message's work to a thread sums its strings (a picture's data URL
+    is one), reads at most `nodes` of it, and takes a message of more nodes for a long one."""
+    from gateway.validate import string_bytes
+
+    picture = {"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                           {"type": "image_url", "image_url": {"url": "x" * 3_000_000}}]}
+    assert string_bytes(picture) == len("user") + len("text") + len("what is it?") + len("image_url") + 3_000_000
+    assert string_bytes({"role": "user", "content": "hi"}) == 6
+    many = {"role": "user", "content": [{"type": "text", "text": "a"}] * 1_000_000}
+    assert string_bytes(many) == 1 << 20 and string_bytes({str(i): 1 for i in range(1_000_000)}) == 1 << 20
