@@ -269,7 +269,7 @@ async def fold_summary(summarizer: Summarizer, previous: str, turns: Sequence[Me
         position += len(chunk)
     if timeline_tokens > 0 and turns:
         def extended() -> list[timeline.Line]:
-            held = sum(summarizer.count(line.render()) + 1 for line in lines)
+            held = sum(timeline.size(line, summarizer.count) for line in lines)
             room = timeline.budget(timeline_tokens, start + len(turns), turns, held)
             return timeline.cap(timeline.extend(lines, turns, start), room, summarizer.count)
 

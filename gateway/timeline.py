@@ -176,8 +176,7 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
     current = out[-1] if out and out[-1].last == start - 1 else None
     # Messages a line takes before a user turn ends it: by the tokens of the messages at hand (a
     # stored line's own are not kept).
-    mean = sum(t.tokens for t in turns) / len(turns) if turns else 1
-    task = max(TASK_MESSAGES, math.ceil(TASK_TOKENS / max(mean, 1)))
+    task = max(TASK_MESSAGES, math.ceil(TASK_TOKENS / max(_mean_tokens(turns), 1)))
     for i, turn in enumerate(turns):
         pos = start + i
         stamp, seconds = _stamp(turn.time)
@@ -250,21 +249,30 @@ def budget(timeline_tokens: int, covered: int, turns: Sequence[Message], held: i
     covers, estimated from the messages just folded (`turns`), and never less than it takes already
     (`held`): merges are not undone, and one fold of short messages ("ok", "go on") must not merge a
     grown timeline down for good. At most MAX_TOKENS, at least `timeline_tokens`."""
-    grown = int(SHARE * covered * sum(t.tokens for t in turns) / len(turns)) if turns else 0
+    grown = int(SHARE * covered * _mean_tokens(turns))
     return max(timeline_tokens, min(max(grown, held), MAX_TOKENS))
+
+
+def _mean_tokens(turns: Sequence[Message]) -> float:
+    return sum(t.tokens for t in turns) / len(turns) if turns else 0.0
+
+
+def size(line: Line, count: Count) -> int:
+    """Tokens a line takes in the summary block, its newline included."""
+    return count(line.render()) + 1
 
 
 def cap(lines: list[Line], max_tokens: int, count: Count) -> list[Line]:
     """The lines within max_tokens, never dropping one: the adjacent pair of older lines (the newest
     stays whole) with the fewest tokens together is merged, the oldest on a tie, until they fit."""
     out = list(lines)
-    sizes = [count(line.render()) + 1 for line in out]
+    sizes = [size(line, count) for line in out]
     total = sum(sizes)
     while total > max_tokens and len(out) > 2:
         i = min(range(len(out) - 2), key=lambda k: (sizes[k] + sizes[k + 1], k))
         merged = _merge(out[i], out[i + 1])
-        size = count(merged.render()) + 1
-        total += size - sizes[i] - sizes[i + 1]
+        merged_size = size(merged, count)
+        total += merged_size - sizes[i] - sizes[i + 1]
         out[i: i + 2] = [merged]
-        sizes[i: i + 2] = [size]
+        sizes[i: i + 2] = [merged_size]
     return out
