@@ -180,7 +180,8 @@ _CONDITION = frozenset(("when", "whenever", "if", "unless"))
 # statements are aligned; only the strong ones say it changes the other (_CHANGES): "now" alone
 # also means "at this point" ("We must now support Firefox" adds a browser).
 _CHANGED = frozenset(("now", "actually", "instead", "anymore"))
-_CHANGES = re.compile(r"\b(?:actually|instead|anymore|no\s+longer|switch(?:ed|ing)?\s+to|changed\s+(?:my\s+mind|to)"
+_CHANGES = re.compile(r"\b(?:actually|instead|anymore|no\s+longer|switch(?:ed|ing)?\s+to"
+                      r"|(?:i(?:'ve|\s+have)?\s+)?changed\s+(?:my\s+mind|to)|on\s+second\s+thought"
                       r"|from\s+now\s+on)\b", re.IGNORECASE)
 # One word for another that says the same ("every editor" / "each editor").
 _SAME_WORD = {"each": "every", "all": "every"}
@@ -204,9 +205,10 @@ def _aligned(text: str) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=4096)
-def _slot(new: str, old: str) -> int | None:
+def _slot(new: str, old: str, least: int = 3) -> int | None:
     """Where `new` changes one choice of `old` (see is_change): the words before the change, or None.
-    Cached: add_item asks it of each active item of the kind, twice (is_duplicate, changes)."""
+    `least`: words around the change the two must share. Cached: add_item asks it of each active item
+    of the kind, twice (is_duplicate, changes)."""
     a, b = _sequence(new), _sequence(old)
     if a == b or _values(new) != _values(old):
         return None  # a changed number or path is an update, a changed identifier another statement
@@ -221,7 +223,7 @@ def _slot(new: str, old: str) -> int | None:
         return pre if not _ORDERING.isdisjoint(a[pre:len(a) - suf]) else None
     kept = pre + suf
     if not (1 <= len(a) - kept <= 2 and 1 <= len(b) - kept <= 2
-            and kept >= 3 and kept >= 0.6 * max(len(a), len(b))):
+            and kept >= least and kept >= 0.6 * max(len(a), len(b))):
         return None
     # "must never" for "must not" says the same; a turned negation is a reversal (is_reversal).
     return None if {*a[pre:len(a) - suf], *b[pre:len(b) - suf]} <= _NEGATION | _REVERSAL_SLACK else pre
@@ -244,9 +246,12 @@ def changes(new: str, old: str) -> bool:
     editor" replaces "I prefer dark mode in every editor". Without such words the two stand, the
     newer first: which is the change and which a second choice is not in the words. Nor when the
     change is in a condition: "... when I ask about upgrades" / "... about integrations" are two orders."""
-    pre = _slot(new, old)
-    return (pre is not None and _CONDITION.isdisjoint(_sequence(new)[:pre])
-            and not _markers(new) <= _markers(old))
+    if _markers(new) <= _markers(old):
+        return False
+    # A short statement that says it changes ("I changed my mind, I prefer spaces" after "I prefer
+    # tabs") may share two words with the old one; without such words two short ones are two tastes.
+    pre = _slot(new, old, 2)
+    return pre is not None and _CONDITION.isdisjoint(_sequence(new)[:pre])
 
 
 def is_duplicate(new: str, old: str) -> bool:
@@ -493,6 +498,15 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
                     # A label opening the sentence ("Decision: Redis"), not "make an informed decision:".
                     r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}decision(?:\*\*)?\s*:",
                     caseless=True)
+# A move from one thing to another, said by the user: "let's switch to MySQL 8", "we're migrating from
+# SQLite to PostgreSQL 16", "I moved the queue over to Redis". A decision when what it moves to or from is
+# named as a product is (`_TECH`, a version, a product's spelling): "I'm moving to a new apartment" is not.
+_SWITCH = Pattern(r"\b(?:let's|we(?:'ll| will| should)|i(?:'ll| will))\s+(?:switch|move|migrate)\b(?!\s+on\b)"
+                  r"|\b(?:we(?:'re| are)|i(?:'m| am))\s+(?:switching|moving|migrating)\b(?!\s+on\b)"
+                  r"|\b(?:we|i)(?:'ve| have)?\s+(?:switched|moved|migrated)\b(?!\s+on\b)"
+                  r"|\bwe(?:'re| are)\s+going\s+(?:with|to\s+use)\b", caseless=True)
+_SWITCH_OBJECT = re.compile(r"\b(?:to|from|with|use)\s+(?:the\s+|a\s+)?(?:[A-Za-z][\w.+#-]*\s+)?"
+                            r"(?:[A-Za-z]*(?:[a-z][A-Z]|[.+#])[\w.+#-]*|[A-Z][\w.+#-]*\s+v?\d)")
 # A rule, not a habit, a feeling or a figure of speech. "always" and "never" count where they order
 # ("Always include ...", "make sure to always ...", "must never ...", "..., never."), not where they
 # describe ("it's always crowded", "I never thought of that", "they don't always win"); a bound
@@ -569,6 +583,19 @@ _DIGIT_OR_SLASH = re.compile(r"[\d/]")
 _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"
                       r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b", caseless=True,
                       needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
+# Facts said in words: a date the work is held to ("The deadline is March 15", "launch is set for
+# Friday"), money it may spend ("The budget is $5,000 a month"), and (_PERSON) the people it answers to
+# ("My manager Priya wants weekly reports"). The subject word comes first, the value a few words after.
+_MONTH = (r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sep(?:t(?:ember)?)?"
+          r"|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)")
+_FACT_SAID = Pattern(r"\b(?:deadline|due\s+date|launch(?:\s+date)?|release\s+date|go-live|cutoff|ship\s+date)\b"
+                     r"[^.;!?]{0,40}?\b(?:is|was|moved\s+to|set\s+for|falls\s+on|on|by)\s+(?:(?:this|next|the)\s+)?"
+                     rf"(?:{_MONTH}\.?\s+\d{{1,2}}\b|\d{{1,2}}(?:st|nd|rd|th)?\s+(?:of\s+)?{_MONTH}\b"
+                     r"|(?:mon|tues|wednes|thurs|fri|satur|sun)day\b|q[1-4]\b|end\s+of\s+(?:the\s+)?(?:week|month|quarter)\b)"
+                     r"|\b(?:budget|spend(?:ing)?\s+(?:cap|limit)|cost\s+(?:cap|limit))\b[^.;!?]{0,30}?"
+                     r"(?:[$€£]\s?\d|\b\d[\d,.]*\s?(?:k|usd|eur|dollars|euros)\b)", caseless=True)
+_PERSON = re.compile(r"\b(?i:my\s+(?:manager|boss|lead|team\s+lead|cto|ceo|client|colleague|teammate|co-?founder"
+                     r"|product\s+manager|pm|reviewer|mentor)(?:,|\s+is)?)\s+[A-Z][a-z]+\b")
 # A fact says something of its value: "2.0.85", "Source: https://...", "Certificate: PG-13" alone
 # (pasted references, a log's stamp) are not one. Words of letters only, outside any URL or path.
 _PROSE_WORD = re.compile(r"(?<![\w/.:-])[A-Za-z]+(?:['’][a-z]+)?(?![\w/.-]|:\S)")
@@ -583,6 +610,13 @@ _COMPONENT = re.compile(
     rf"(?<![\w.@/#+-])(?:(?P<name>{_CAPITALISED}(?:[ \t]+{_CAPITALISED}){{0,2}})\s+(?P<version>{_VERSION})"
     rf"|(?P<lname>[a-z][\w-]*(?:\.js)?)\s+(?P<lversion>v\d++(?:\.\d++)++(?![\w-]|\.\w)"
     r"|\d++\.\d++(?:\.\d++)++(?![\w-]|\.\w)))")
+# A well-known platform at a major version alone ("PostgreSQL 16", "Python 3", "Django 5", "Node 20"):
+# prose says "Python 3" as often as "Python 3.12". Only these names: after any other word a bare number
+# is a count ("Room 12", "Sprint 3"). A unit after it makes it a measure ("Redis 7 ms").
+_MAJOR = re.compile(r"(?<![\w.@/#+-])(?P<name>(?i:python|postgres(?:ql)?|mysql|mariadb|node(?:\.js)?|react|django"
+                    r"|java|redis|mongodb|vue(?:\.js)?|angular|kafka|elasticsearch|typescript|php|ruby|rails|kotlin"
+                    r"|ubuntu|debian|postgis|rabbitmq|celery|spring\s+boot|laravel|symfony|\.net|dotnet|next\.js))"
+                    r"\s+(?P<version>v?\d{1,3})(?![\w:/%-]|[.,]\d)")
 # "upgraded Node.js from v18.15.0 to v20.1.0": the name once, two versions.
 _UPGRADE = re.compile(rf"(?<![\w.@/#+-])(?P<name>{_CAPITALISED}|[a-z][\w-]*(?:\.js)?)\s+from\s+(?P<old>{_VERSION})"
                       rf"\s+to\s+(?P<new>{_VERSION})")
@@ -800,6 +834,8 @@ def classify(sentence: str, role: str, *, joint: bool = False) -> Kind | None:
         return "goal"
     if _DECISION.search(sentence, low) and (user or joint or _MADE.search(sentence, low)):
         return "decisions"
+    if user and _SWITCH.search(sentence, low) and (_TECH.search(sentence, low) or _SWITCH_OBJECT.search(sentence)):
+        return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
     if user and is_rule(sentence, low):
@@ -812,6 +848,8 @@ def classify(sentence: str, role: str, *, joint: bool = False) -> Kind | None:
         return "tech_stack"
     if user and _ARCH.search(sentence, low):
         return "architecture"
+    if user and (_FACT_SAID.search(sentence, low) or _PERSON.search(sentence)):
+        return "facts"
     if user and _FACT_VALUE.search(sentence, low) and len(_PROSE_WORD.findall(sentence, 0, 2000)) >= 2:
         return "facts"
     return None
@@ -847,6 +885,9 @@ def components(sentence: str) -> Iterator[tuple[str, str]]:
     for m in _UPGRADE.finditer(text):
         if not _VERB_FORM.fullmatch(m["name"]) or _UPGRADED.search(text, max(0, m.start() - 16), m.start()):
             found += [(m.start(), m["name"], m["old"]), (m.start() + 1, m["name"], m["new"])]
+    for m in _MAJOR.finditer(text):
+        if not _UNIT.match(text, m.end()) and not text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
+            found.append((m.start(), m["name"], m["version"]))
     for m in _COMPONENT.finditer(text):
         if text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
             continue  # "moved to Vue 3.3.4 from Vue 2.7.14": the one left behind
@@ -888,14 +929,21 @@ def _add_component(ledger: Ledger, name: str, version: str, *, source: int, time
     names it (an edit wins); the same name at another version is replaced and kept as history
     ("Node.js v20.1.0 (since …; was: Node.js v18.15.0)")."""
     key = name.lower()
-    replaced = []
+    digits = version.removeprefix("v")
+    replaced: list[Item] = []
+    refined: list[Item] = []
     for old in ledger.active("tech_stack"):
         old_key = _version_key(old)
         if old_key is not None and old_key[0] == key:
-            if old.edited or old_key[1] == version.removeprefix("v"):
+            # "Python 3" after "Python 3.12" says less, not something else; "PostgreSQL 16.2" after
+            # "PostgreSQL 16" says more of the same: no change of version to keep as history.
+            if old.edited or old_key[1] == digits or old_key[1].startswith(digits + "."):
                 return None
-            replaced.append(old)
+            (refined if digits.startswith(old_key[1] + ".") else replaced).append(old)
     item = Item(id=_next_id(ledger), text=f"{name} {version}", source=source, time=time, component=key)
+    for old in refined:
+        old.superseded_by = item.id
+        item.was = list(old.was)
     for old in replaced:
         old.superseded_by = item.id
         record_replaced(item, old)
@@ -957,8 +1005,10 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
                 continue
             added = True
             for m in _SUPERSEDE.finditer(sentence):
-                term = next(g for g in m.groups() if g)
-                supersede_mentions(out, term, item.id)
+                # "instead of PostgreSQL." names PostgreSQL: the sentence's own stop is not the name's.
+                term = next(g for g in m.groups() if g).rstrip(".-")
+                if term:
+                    supersede_mentions(out, term, item.id)
     return out if added else ledger
 
 

@@ -73,6 +73,55 @@ def test_switch_from_supersedes_mentions() -> None:
     assert ledger.decisions[0].superseded_by == ledger.decisions[1].id
 
 
+def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -> None:
+    """"let's switch to", "we're moving from X to Y" decide, said as people say them, without "decided";
+    "instead of PostgreSQL." (the sentence's stop after the name) replaces the PostgreSQL decision."""
+    ledger = state.Ledger()
+    for i, (text, time) in enumerate([("We're moving from SQLite to PostgreSQL 16.", "2024-02-01T09:00:00"),
+                                      ("I'm moving to a new apartment next month.", "2024-02-20T09:00:00"),
+                                      ("Actually, let's switch to MySQL 8 instead of PostgreSQL.",
+                                       "2024-03-02T09:00:00")]):
+        ledger = state.extract(ledger, [turn("user", text, time=time)], i)
+    (latest,) = ledger.active("decisions")
+    assert latest.text == "Actually, let's switch to MySQL 8 instead of PostgreSQL."
+    assert latest.was == ["We're moving from SQLite to PostgreSQL 16."]
+    assert "apartment" not in " ".join(i.text for _, i in ledger.all_items())
+
+
+def test_a_platform_at_a_major_version_is_in_the_stack() -> None:
+    """"PostgreSQL 16", "Django 5", "Node 20" are the stack; a count after another word ("Sprint 3",
+    "Room 12") or a measure ("Redis 7 ms") is not. "Python 3" after "Python 3.12" changes nothing;
+    "PostgreSQL 16.2" after "PostgreSQL 16" refines it without calling it a change."""
+    ledger = state.Ledger()
+    for i, text in enumerate(["We run Python 3.12, PostgreSQL 16, Django 5 and Node 20.",
+                              "Sprint 3 starts in Room 12; Redis 7 ms is our p99.",
+                              "Our python 3 scripts are slow.", "We upgraded to PostgreSQL 16.2 last week."]):
+        ledger = state.extract(ledger, [turn("user", text)], i)
+    stack = sorted(i.text for i in ledger.active("tech_stack"))
+    assert stack == ["Django 5", "Node 20", "PostgreSQL 16.2", "Python 3.12"]
+    assert all(not i.was for i in ledger.active("tech_stack"))
+
+
+def test_a_short_preference_that_says_it_changes_replaces_the_old_one() -> None:
+    """"I changed my mind, I prefer spaces." replaces "I prefer tabs." and keeps it as history; a second
+    short taste that does not say it changes anything ("I prefer dark roast.") stands beside the first."""
+    ledger = state.Ledger()
+    for i, text in enumerate(["I prefer tabs.", "I prefer dark roast.", "I changed my mind, I prefer spaces."]):
+        ledger = state.extract(ledger, [turn("user", text, time=f"2024-03-0{i + 1}T09:00:00")], i)
+    active = [i.text for i in ledger.active("preferences")]
+    assert active == ["I prefer dark roast.", "I changed my mind, I prefer spaces."]
+    assert ledger.active("preferences")[1].was == ["I prefer tabs."]
+
+
+def test_dates_money_and_people_said_in_words_are_facts() -> None:
+    """A deadline said as "March 15", a budget in dollars, a manager by name are facts; the same words
+    without a value ("the deadline is tight", "my manager said so") are not."""
+    said = ["The deadline is March 15.", "The budget is $5,000 per month.", "My manager Priya wants weekly reports.",
+            "The deadline is tight.", "My manager said so."]
+    ledger = state.extract(state.Ledger(), [turn("user", text) for text in said], 0)
+    assert [i.text for i in ledger.active("facts")] == said[:3]
+
+
 def test_duplicates_are_not_added_twice() -> None:
     """Restating the same fact adds nothing."""
     t = turn("user", "We must keep p99 latency under 200 ms.")
@@ -238,10 +287,12 @@ def test_a_decision_changed_twice_shows_the_latest_with_its_history() -> None:
     (latest,) = ledger.active("decisions")
     assert "PostgreSQL 16" in latest.text and len(ledger.decisions) == 3
     rendered = state.render(ledger, 500, words)
-    line = next(ln for ln in rendered.splitlines() if "PostgreSQL 16" in ln)
-    assert "since 2024-03-02" in line
+    decisions = rendered.partition("Decisions:\n")[2].partition("\n\n")[0].splitlines()
+    (line,) = [ln for ln in decisions if ln.startswith("- ")]  # the superseded ones are not items of their own
+    assert "PostgreSQL 16" in line and "since 2024-03-02" in line
     assert line.index("PostgreSQL 15") < line.index("SQLite")  # newest replaced first
-    assert rendered.count("- ") == 1  # the superseded decisions are not items of their own
+    # The stack says it too, at its version: "PostgreSQL 16" names a major version alone.
+    assert "- PostgreSQL 16 (since 2024-03-02; was: PostgreSQL 15)" in rendered
 
 
 @pytest.mark.parametrize("text", [
