@@ -183,6 +183,7 @@ _CHANGED = frozenset(("now", "actually", "instead", "anymore"))
 _CHANGES = re.compile(r"\b(?:actually|instead|anymore|no\s+longer|switch(?:ed|ing)?\s+to"
                       r"|(?:i(?:'ve|\s+have)?\s+)?changed\s+(?:my\s+mind|to)|on\s+second\s+thought"
                       r"|from\s+now\s+on)\b", re.IGNORECASE)
+_CHANGED_MIND = re.compile(r"\bchanged\s+my\s+mind\b|\bon\s+second\s+thought\b", re.IGNORECASE)
 # One word for another that says the same ("every editor" / "each editor").
 _SAME_WORD = {"each": "every", "all": "every"}
 _ORDERING = frozenset(("over", "than", "instead", "rather", "before", "after", "from", "to", "into", "vs", "versus"))
@@ -248,9 +249,12 @@ def changes(new: str, old: str) -> bool:
     change is in a condition: "... when I ask about upgrades" / "... about integrations" are two orders."""
     if _markers(new) <= _markers(old):
         return False
-    # A short statement that says it changes ("I changed my mind, I prefer spaces" after "I prefer
-    # tabs") may share two words with the old one; without such words two short ones are two tastes.
-    pre = _slot(new, old, 2)
+    pre = _slot(new, old)
+    if pre is None and _CHANGED_MIND.search(new) and len(_sequence(new)) <= 4 and len(_sequence(old)) <= 4:
+        # "I changed my mind, I prefer spaces" after "I prefer tabs": a short statement that says in so
+        # many words that it changes the user's mind shares two words with the one it changes. ("From
+        # now on, always add tests" after "Always add docstrings" adds a rule: only these words count.)
+        pre = _slot(new, old, 2)
     return pre is not None and _CONDITION.isdisjoint(_sequence(new)[:pre])
 
 
@@ -367,12 +371,20 @@ def record_replaced(item: Item, old: Item) -> None:
     item.was = list(dict.fromkeys([clip_words(old.text, WAS_WORDS), *old.was, *item.was]))[:MAX_WAS]
 
 
+# What a move from one thing to another replaces: what the project uses and chose. Not the user's rules,
+# tastes and facts that mention it: "We moved the CI scripts from Python to Go" leaves "Always write
+# tests in Python" standing, and "I'm moving from London" leaves "My manager Priya works in London".
+_SUPERSEDED_KINDS = frozenset(("tech_stack", "decisions", "architecture", "open_tasks"))
+
+
 def supersede_mentions(ledger: Ledger, term: str, by: str) -> None:
-    """Mark active extracted items mentioning `term` as replaced ("switch from Flask to FastAPI");
-    the replacing item keeps what it replaced of its own kind."""
+    """Mark active extracted items of the project's choices mentioning `term` as replaced ("switch
+    from Flask to FastAPI"); the replacing item keeps what it replaced of its own kind."""
     pat = re.compile(rf"(?<!\w){re.escape(term)}(?!\w)", re.IGNORECASE)
     new = next(((k, i) for k, i in ledger.all_items() if i.id == by), None)
     for kind, item in ledger.all_items():
+        if kind not in _SUPERSEDED_KINDS:
+            continue
         if item.id != by and item.superseded_by is None and not item.edited and pat.search(item.text):
             item.superseded_by = by
             if new is not None and new[0] == kind:
@@ -499,14 +511,36 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
                     r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}decision(?:\*\*)?\s*:",
                     caseless=True)
 # A move from one thing to another, said by the user: "let's switch to MySQL 8", "we're migrating from
-# SQLite to PostgreSQL 16", "I moved the queue over to Redis". A decision when what it moves to or from is
-# named as a product is (`_TECH`, a version, a product's spelling): "I'm moving to a new apartment" is not.
-_SWITCH = Pattern(r"\b(?:let's|we(?:'ll| will| should)|i(?:'ll| will))\s+(?:switch|move|migrate)\b(?!\s+on\b)"
+# SQLite to PostgreSQL 16", "I moved the queue over to Redis". A decision only when the first thing after
+# its "to" or "from" (a few words on) is a product (`_SWITCH_PRODUCT`): "I'm moving to Seattle", "let's
+# switch to dark mode", "we'll move the meeting to Friday", "moving on to Phase 2" decide nothing for the
+# project. ("We should switch" is a suggestion, not a decision.)
+_SWITCH = Pattern(r"\b(?:let's|we(?:'ll| will)|i(?:'ll| will))\s+(?:switch|move|migrate)\b(?!\s+on\b)"
                   r"|\b(?:we(?:'re| are)|i(?:'m| am))\s+(?:switching|moving|migrating)\b(?!\s+on\b)"
-                  r"|\b(?:we|i)(?:'ve| have)?\s+(?:switched|moved|migrated)\b(?!\s+on\b)"
-                  r"|\bwe(?:'re| are)\s+going\s+(?:with|to\s+use)\b", caseless=True)
-_SWITCH_OBJECT = re.compile(r"\b(?:to|from|with|use)\s+(?:the\s+|a\s+)?(?:[A-Za-z][\w.+#-]*\s+)?"
-                            r"(?:[A-Za-z]*(?:[a-z][A-Z]|[.+#])[\w.+#-]*|[A-Z][\w.+#-]*\s+v?\d)")
+                  r"|\b(?:we|i)(?:'ve| have)?\s+(?:switched|moved|migrated)\b(?!\s+on\b)", caseless=True)
+_SWITCH_TARGET = re.compile(r"(?:\s+[\w'-]+){0,4}?\s+(?:over\s+)?(?:to|from)\s+(?:the\s+|a\s+|an\s+)?"
+                            r"(?P<name>[\w.+#-]{1,40})(?P<version>\s+v?\d+\.\d)?")
+# A product's spelling: "PostgreSQL", "Node.js", "C++", "C#" (not the sentence's own full stop, nor "St.").
+_PRODUCT_SPELLING = re.compile(r"[A-Za-z]+(?:[a-z][A-Z]|\.[a-z]|\+\+|#)")
+
+
+def _switches(sentence: str, low: str | None) -> bool:
+    """Whether a user's sentence decides a move to (or from) a product: see `_SWITCH`."""
+    m = _SWITCH.exact.search(sentence)
+    if m is None:
+        return False
+    at = m.end()
+    for _ in range(2):  # "from Express to Fastify 4.2": either end may be the one spelled as a product
+        t = _SWITCH_TARGET.match(sentence, at)
+        if t is None:
+            return False
+        name = t["name"].rstrip(".-")
+        if t["version"] or _PRODUCT_SPELLING.match(name) or _TECH.exact.fullmatch(name):
+            return True
+        at = t.end()
+    return False
+
+
 # A rule, not a habit, a feeling or a figure of speech. "always" and "never" count where they order
 # ("Always include ...", "make sure to always ...", "must never ...", "..., never."), not where they
 # describe ("it's always crowded", "I never thought of that", "they don't always win"); a bound
@@ -588,14 +622,18 @@ _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)
 # ("My manager Priya wants weekly reports"). The subject word comes first, the value a few words after.
 _MONTH = (r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sep(?:t(?:ember)?)?"
           r"|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)")
-_FACT_SAID = Pattern(r"\b(?:deadline|due\s+date|launch(?:\s+date)?|release\s+date|go-live|cutoff|ship\s+date)\b"
+_FACT_SAID = Pattern(r"\b(?:deadline|due\s+date|(?:our|my)\s+(?:\w+\s+)?launch|launch\s+date|release\s+date|go-live"
+                     r"|cutoff|ship\s+date)\b"
                      r"[^.;!?]{0,40}?\b(?:is|was|moved\s+to|set\s+for|falls\s+on|on|by)\s+(?:(?:this|next|the)\s+)?"
                      rf"(?:{_MONTH}\.?\s+\d{{1,2}}\b|\d{{1,2}}(?:st|nd|rd|th)?\s+(?:of\s+)?{_MONTH}\b"
                      r"|(?:mon|tues|wednes|thurs|fri|satur|sun)day\b|q[1-4]\b|end\s+of\s+(?:the\s+)?(?:week|month|quarter)\b)"
                      r"|\b(?:budget|spend(?:ing)?\s+(?:cap|limit)|cost\s+(?:cap|limit))\b[^.;!?]{0,30}?"
                      r"(?:[$€£]\s?\d|\b\d[\d,.]*\s?(?:k|usd|eur|dollars|euros)\b)", caseless=True)
 _PERSON = re.compile(r"\b(?i:my\s+(?:manager|boss|lead|team\s+lead|cto|ceo|client|colleague|teammate|co-?founder"
-                     r"|product\s+manager|pm|reviewer|mentor)(?:,|\s+is)?)\s+[A-Z][a-z]+\b")
+                     r"|product\s+manager|pm|reviewer|mentor)(?:,|\s+is)?)\s+[A-Z][a-z]+\b"
+                     # A name, not the first word of a thing ("my PM Jira board", "my client Friday call").
+                     r"(?=\s*(?:[,.;:!]|$)|\s+(?:is|was|wants|wanted|said|says|asked|asks|thinks|needs|prefers|will"
+                     r"|would|has|had|and|from|at|to|who|likes|expects|approved|reviews|runs|leads)\b)")
 # A fact says something of its value: "2.0.85", "Source: https://...", "Certificate: PG-13" alone
 # (pasted references, a log's stamp) are not one. Words of letters only, outside any URL or path.
 _PROSE_WORD = re.compile(r"(?<![\w/.:-])[A-Za-z]+(?:['’][a-z]+)?(?![\w/.-]|:\S)")
@@ -610,13 +648,23 @@ _COMPONENT = re.compile(
     rf"(?<![\w.@/#+-])(?:(?P<name>{_CAPITALISED}(?:[ \t]+{_CAPITALISED}){{0,2}})\s+(?P<version>{_VERSION})"
     rf"|(?P<lname>[a-z][\w-]*(?:\.js)?)\s+(?P<lversion>v\d++(?:\.\d++)++(?![\w-]|\.\w)"
     r"|\d++\.\d++(?:\.\d++)++(?![\w-]|\.\w)))")
-# A well-known platform at a major version alone ("PostgreSQL 16", "Python 3", "Django 5", "Node 20"):
-# prose says "Python 3" as often as "Python 3.12". Only these names: after any other word a bare number
-# is a count ("Room 12", "Sprint 3"). A unit after it makes it a measure ("Redis 7 ms").
-_MAJOR = re.compile(r"(?<![\w.@/#+-])(?P<name>(?i:python|postgres(?:ql)?|mysql|mariadb|node(?:\.js)?|react|django"
-                    r"|java|redis|mongodb|vue(?:\.js)?|angular|kafka|elasticsearch|typescript|php|ruby|rails|kotlin"
-                    r"|ubuntu|debian|postgis|rabbitmq|celery|spring\s+boot|laravel|symfony|\.net|dotnet|next\.js))"
-                    r"\s+(?P<version>v?\d{1,3})(?![\w:/%-]|[.,]\d)")
+# A well-known platform at a major version alone ("PostgreSQL 16", "Python 3", "Django 5", "Node.js 20"):
+# prose says "Python 3" as often as "Python 3.12". Only these names ("Node 3" is a cluster's node, "Room
+# 12" a room), one or two digits ("Python 101" is a course), no unit after it ("Redis 7 ms"), not beside
+# words of the past or of a comparison (`_NOT_IN_USE`). It replaces another version of its platform
+# only where the sentence moves to it ("we upgraded to PostgreSQL 16", `_MOVED_TO`); otherwise it only
+# adds a platform the stack lacks: "my Python 2 scripts" does not undo "we run Python 3.12".
+_MAJOR = re.compile(r"(?<![\w.@/#+-])(?P<name>python|postgres(?:ql)?|mysql|mariadb|node\.js|react|django|java|redis"
+                    r"|mongodb|vue(?:\.js)?|angular|kafka|elasticsearch|typescript|php|ruby|rails|kotlin|ubuntu|debian"
+                    r"|postgis|rabbitmq|celery|spring\s+boot|laravel|symfony|\.net|dotnet|next\.js)"
+                    r"\s+(?P<version>v?\d{1,2})(?![\w:/%-]|[.,]\d)", re.IGNORECASE)
+# Words around a bare major version that say it is not what runs: a comparison, the past, others' use.
+_NOT_IN_USE = Pattern(r"\b(?:between|deciding|choosing|compar\w*|versus|vs|legacy|old|older|dropped|tutorials?"
+                      r"|docs|end\s+of\s+life|eol|used\s+to|was|were)\b", caseless=True)
+# One platform, several spellings: the stack keys them alike.
+_MOVED_TO = re.compile(r"\b(?:upgrad|updat|bump|mov|migrat|switch)\w*\s+(?:[\w.-]+\s+){0,8}?to\s+$", re.IGNORECASE)
+_ALIASES = {"postgres": "postgresql", "node": "node.js", "nodejs": "node.js", "vue": "vue.js", "vuejs": "vue.js",
+            "dotnet": ".net", "nextjs": "next.js"}
 # "upgraded Node.js from v18.15.0 to v20.1.0": the name once, two versions.
 _UPGRADE = re.compile(rf"(?<![\w.@/#+-])(?P<name>{_CAPITALISED}|[a-z][\w-]*(?:\.js)?)\s+from\s+(?P<old>{_VERSION})"
                       rf"\s+to\s+(?P<new>{_VERSION})")
@@ -834,7 +882,7 @@ def classify(sentence: str, role: str, *, joint: bool = False) -> Kind | None:
         return "goal"
     if _DECISION.search(sentence, low) and (user or joint or _MADE.search(sentence, low)):
         return "decisions"
-    if user and _SWITCH.search(sentence, low) and (_TECH.search(sentence, low) or _SWITCH_OBJECT.search(sentence)):
+    if user and _switches(sentence, low):
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
@@ -878,16 +926,25 @@ def components(sentence: str) -> Iterator[tuple[str, str]]:
     """The (name, version) pairs a statement says the project uses: ("Express", "v4.18.2") from
     "I've set up Express version 4.18.2". Nothing from a question, a negation or a hypothesis, nor
     from quoted text (an error message names what it requires, not what runs)."""
+    for name, version, _ in _components(sentence):
+        yield name, version
+
+
+def _components(sentence: str) -> Iterator[tuple[str, str, bool]]:
+    """`components`, each with whether it may replace another version of its name in the stack: a
+    bare major version ("PostgreSQL 16") only where the sentence moves to it ("upgraded to ...")."""
     if not is_statement(sentence) or _HYPOTHETICAL.search(sentence, ascii_lower(sentence)):
         return
     text = _COMPONENT_VERSION_WORD.sub("v", _unquoted(sentence))
-    found: list[tuple[int, str, str]] = []
+    found: list[tuple[int, str, str, bool]] = []
     for m in _UPGRADE.finditer(text):
         if not _VERB_FORM.fullmatch(m["name"]) or _UPGRADED.search(text, max(0, m.start() - 16), m.start()):
-            found += [(m.start(), m["name"], m["old"]), (m.start() + 1, m["name"], m["new"])]
-    for m in _MAJOR.finditer(text):
-        if not _UNIT.match(text, m.end()) and not text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
-            found.append((m.start(), m["name"], m["version"]))
+            found += [(m.start(), m["name"], m["old"], True), (m.start() + 1, m["name"], m["new"], True)]
+    if not _NOT_IN_USE.search(text, ascii_lower(text)):
+        for m in _MAJOR.finditer(text):
+            if not _UNIT.match(text, m.end()) and not text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
+                moved = _MOVED_TO.search(text, max(0, m.start() - 96), m.start()) is not None
+                found.append((m.start(), m["name"], m["version"], moved))
     for m in _COMPONENT.finditer(text):
         if text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
             continue  # "moved to Vue 3.3.4 from Vue 2.7.14": the one left behind
@@ -905,11 +962,11 @@ def components(sentence: str) -> Iterator[tuple[str, str]]:
         if capitalised and version.count(".") == 1 and not version.startswith("v") and not (
                 _NAMED.search(name[1:]) or _TECH.search(name, ascii_lower(name))):
             continue  # "Took 2.5", "UK 2.5": a bare x.y after a capitalised word is a number
-        found.append((m.start(), name, version))
-    for _, name, version in sorted(found):
+        found.append((m.start(), name, version, True))
+    for _, name, version, replaces in sorted(found):
         if 1 < len(name) <= 40 and len(version) <= 24 and not _IPV4.fullmatch(version) \
                 and not _DATE.fullmatch(version) and name.lower() not in _NOT_COMPONENTS:
-            yield name, version
+            yield name, version, replaces
 
 
 _STACK_ITEM = re.compile(r"(?P<name>.{1,40}) (?P<version>v?\d+(?:\.\d+)+)")
@@ -924,26 +981,31 @@ def _version_key(item: Item) -> tuple[str, str] | None:
     return (m["name"].lower(), m["version"].removeprefix("v")) if m else None
 
 
-def _add_component(ledger: Ledger, name: str, version: str, *, source: int, time: str | None) -> Item | None:
+def _add_component(ledger: Ledger, name: str, version: str, *, source: int, time: str | None,
+                   replaces: bool = True) -> Item | None:
     """A component at a version: nothing when the stack has it at that version already, or an edit
     names it (an edit wins); the same name at another version is replaced and kept as history
     ("Node.js v20.1.0 (since …; was: Node.js v18.15.0)")."""
     key = name.lower()
+    key = _ALIASES.get(key, key)
     digits = version.removeprefix("v")
     replaced: list[Item] = []
     refined: list[Item] = []
     for old in ledger.active("tech_stack"):
         old_key = _version_key(old)
-        if old_key is not None and old_key[0] == key:
-            # "Python 3" after "Python 3.12" says less, not something else; "PostgreSQL 16.2" after
-            # "PostgreSQL 16" says more of the same: no change of version to keep as history.
-            if old.edited or old_key[1] == digits or old_key[1].startswith(digits + "."):
+        if old_key is not None and _ALIASES.get(old_key[0], old_key[0]) == key:
+            # A bare major version ("Python 2", `_MAJOR`) only adds a platform the stack lacks, unless
+            # the sentence moves to it: said in passing, it is as often another project's, or the
+            # past. "Python 3" after "Python 3.12" says less, not something else. "PostgreSQL 16.2" after
+            # "PostgreSQL 16" says more of the same: no change of version to keep as history, nor a
+            # new date.
+            if old.edited or old_key[1] == digits or not replaces:
                 return None
             (refined if digits.startswith(old_key[1] + ".") else replaced).append(old)
     item = Item(id=_next_id(ledger), text=f"{name} {version}", source=source, time=time, component=key)
     for old in refined:
         old.superseded_by = item.id
-        item.was = list(old.was)
+        item.was, item.time = list(old.was), old.time
     for old in replaced:
         old.superseded_by = item.id
         record_replaced(item, old)
@@ -988,7 +1050,7 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
         statements = list(islice(stated(own_sentences(turn.role, whole), turn.role, joint), MAX_STATEMENTS))
         # The user's own stack, with versions (an assistant's suggestion is not yet the project's), from
         # every sentence: "Stack: Node.js v20.1.0, ..." in a long spec is the user's in any voice.
-        named = (list(islice((c for s in whole for c in components(s)), MAX_COMPONENTS))
+        named = (list(islice((c for s in whole for c in _components(s)), MAX_COMPONENTS))
                  if turn.role == "user" else [])
         if statements or named:
             found.append((start + i, turn.time or now, statements, named))
@@ -997,8 +1059,8 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
     out = copy_ledger(ledger)
     added = False
     for source, time, statements, named in found:  # message by message: a later one wins
-        for name, version in named:
-            added = _add_component(out, name, version, source=source, time=time) is not None or added
+        for name, version, replaces in named:
+            added = _add_component(out, name, version, source=source, time=time, replaces=replaces) is not None or added
         for sentence, kind in statements:
             item = add_item(out, kind, _clip(unbold(sentence)), source=source, time=time)
             if item is None:
@@ -1007,7 +1069,8 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
             for m in _SUPERSEDE.finditer(sentence):
                 # "instead of PostgreSQL." names PostgreSQL: the sentence's own stop is not the name's.
                 term = next(g for g in m.groups() if g).rstrip(".-")
-                if term:
+                # "instead of this.", "instead of the ...": a word every statement may hold names nothing.
+                if len(term) > 1 and term.lower() not in _NOT_COMPONENTS:
                     supersede_mentions(out, term, item.id)
     return out if added else ledger
 

@@ -75,49 +75,77 @@ def test_switch_from_supersedes_mentions() -> None:
 
 def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -> None:
     """"let's switch to", "we're moving from X to Y" decide, said as people say them, without "decided";
-    "instead of PostgreSQL." (the sentence's stop after the name) replaces the PostgreSQL decision."""
+    "instead of PostgreSQL." (the sentence's stop after the name) replaces the PostgreSQL decision. A
+    move to something that is not a product decides nothing for the project."""
     ledger = state.Ledger()
-    for i, (text, time) in enumerate([("We're moving from SQLite to PostgreSQL 16.", "2024-02-01T09:00:00"),
-                                      ("I'm moving to a new apartment next month.", "2024-02-20T09:00:00"),
-                                      ("Actually, let's switch to MySQL 8 instead of PostgreSQL.",
-                                       "2024-03-02T09:00:00")]):
+    said = [("We're moving from SQLite to PostgreSQL 16.", "2024-02-01T09:00:00"),
+            ("I'm moving to Seattle.", "2024-02-10T09:00:00"), ("Let's switch to dark mode.", "2024-02-11T09:00:00"),
+            ("We'll move the meeting to Friday.", "2024-02-12T09:00:00"),
+            ("Actually, let's switch to MySQL 8 instead of PostgreSQL.", "2024-03-02T09:00:00")]
+    for i, (text, time) in enumerate(said):
         ledger = state.extract(ledger, [turn("user", text, time=time)], i)
     (latest,) = ledger.active("decisions")
     assert latest.text == "Actually, let's switch to MySQL 8 instead of PostgreSQL."
     assert latest.was == ["We're moving from SQLite to PostgreSQL 16."]
-    assert "apartment" not in " ".join(i.text for _, i in ledger.all_items())
+    assert len(ledger.decisions) == 2
+
+
+def test_a_move_replaces_the_choices_it_names_not_the_rules_or_what_a_pronoun_stands_for() -> None:
+    """Moving the CI scripts from Python to Go leaves the user's rule about Python standing (a rule is
+    changed by a rule); "instead of this." names nothing, so it hides no statement holding "this"."""
+    ledger = state.Ledger()
+    for i, text in enumerate(["Always write tests in Python.", "We decided to use this repo layout for the monorepo.",
+                              "We moved the CI scripts from Python to Go.", "Let's use a queue instead of this."]):
+        ledger = state.extract(ledger, [turn("user", text)], i)
+    assert [i.text for i in ledger.active("constraints")] == ["Always write tests in Python."]
+    assert [i.text for i in ledger.active("decisions")] == [
+        "We decided to use this repo layout for the monorepo.", "We moved the CI scripts from Python to Go.",
+        "Let's use a queue instead of this."]
 
 
 def test_a_platform_at_a_major_version_is_in_the_stack() -> None:
-    """"PostgreSQL 16", "Django 5", "Node 20" are the stack; a count after another word ("Sprint 3",
-    "Room 12") or a measure ("Redis 7 ms") is not. "Python 3" after "Python 3.12" changes nothing;
-    "PostgreSQL 16.2" after "PostgreSQL 16" refines it without calling it a change."""
+    """"PostgreSQL 16", "Django 5", "Node.js 20" are the stack. Said in passing, a bare major version
+    never replaces a version the stack holds ("my Python 2 scripts", "the legacy code used React 16",
+    "tutorials target Java 8"), nor counts when it is a course, a cluster's node or a comparison; a
+    move to it does replace ("we upgraded to PostgreSQL 17"), and "PostgreSQL 17.1" then refines it
+    without a new date. "Postgres" and "PostgreSQL" are one platform."""
     ledger = state.Ledger()
-    for i, text in enumerate(["We run Python 3.12, PostgreSQL 16, Django 5 and Node 20.",
-                              "Sprint 3 starts in Room 12; Redis 7 ms is our p99.",
-                              "Our python 3 scripts are slow.", "We upgraded to PostgreSQL 16.2 last week."]):
-        ledger = state.extract(ledger, [turn("user", text)], i)
-    stack = sorted(i.text for i in ledger.active("tech_stack"))
-    assert stack == ["Django 5", "Node 20", "PostgreSQL 16.2", "Python 3.12"]
-    assert all(not i.was for i in ledger.active("tech_stack"))
+    said = ["We run Python 3.12, Postgres 16, Django 5, React 18.2.0 and Node.js 20.",
+            "My Python 2 scripts are broken.", "The old code base used React 16 class components.",
+            "Most tutorials still target Java 8.", "I'm teaching Python 101 on Fridays.",
+            "Node 3 keeps running out of memory.", "We're deciding between Vue 3 and Angular 17.",
+            "We upgraded the main database to PostgreSQL 17.", "PostgreSQL 17.1 is what prod reports."]
+    for i, text in enumerate(said):
+        ledger = state.extract(ledger, [turn("user", text, time=f"2024-03-{i + 1:02d}T09:00:00")], i)
+    stack = sorted(i.text for i in ledger.active("tech_stack") if state.is_component(i))
+    assert stack == ["Django 5", "Node.js 20", "PostgreSQL 17.1", "Python 3.12", "React 18.2.0"]
+    (pg,) = [i for i in ledger.active("tech_stack") if i.text == "PostgreSQL 17.1"]
+    assert pg.was == ["Postgres 16"] and pg.time == "2024-03-08T09:00:00"
 
 
 def test_a_short_preference_that_says_it_changes_replaces_the_old_one() -> None:
-    """"I changed my mind, I prefer spaces." replaces "I prefer tabs." and keeps it as history; a second
-    short taste that does not say it changes anything ("I prefer dark roast.") stands beside the first."""
+    """"I changed my mind, I prefer spaces." replaces "I prefer tabs." and keeps it as history. Weaker
+    words of change in a short statement ("From now on, ...", "Actually, ...") add a rule or a taste
+    beside the old one: "From now on, always add tests." leaves "Always add docstrings." standing."""
     ledger = state.Ledger()
-    for i, text in enumerate(["I prefer tabs.", "I prefer dark roast.", "I changed my mind, I prefer spaces."]):
+    said = ["I prefer tabs.", "Always add docstrings.", "I hate cilantro.", "From now on, always add tests.",
+            "Actually, I hate olives.", "I changed my mind, I prefer spaces."]
+    for i, text in enumerate(said):
         ledger = state.extract(ledger, [turn("user", text, time=f"2024-03-0{i + 1}T09:00:00")], i)
-    active = [i.text for i in ledger.active("preferences")]
-    assert active == ["I prefer dark roast.", "I changed my mind, I prefer spaces."]
-    assert ledger.active("preferences")[1].was == ["I prefer tabs."]
+    assert [i.text for i in ledger.active("preferences")] == [
+        "I hate cilantro.", "Actually, I hate olives.", "I changed my mind, I prefer spaces."]
+    assert ledger.active("preferences")[2].was == ["I prefer tabs."]
+    rules = [i.text for i in ledger.active("constraints")]
+    assert rules == ["Always add docstrings.", "From now on, always add tests."]
 
 
 def test_dates_money_and_people_said_in_words_are_facts() -> None:
     """A deadline said as "March 15", a budget in dollars, a manager by name are facts; the same words
-    without a value ("the deadline is tight", "my manager said so") are not."""
+    without a value ("the deadline is tight", "my manager said so"), someone else's launch, or a thing
+    that starts with a capital ("my PM Jira board") are not."""
     said = ["The deadline is March 15.", "The budget is $5,000 per month.", "My manager Priya wants weekly reports.",
-            "The deadline is tight.", "My manager said so."]
+            "The deadline is tight.", "My manager said so.", "I watched the SpaceX launch on Friday.",
+            "My PM Jira board is a mess."]
     ledger = state.extract(state.Ledger(), [turn("user", text) for text in said], 0)
     assert [i.text for i in ledger.active("facts")] == said[:3]
 
