@@ -328,7 +328,8 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
 
     Extraction (edited=False) never duplicates nor supersedes an edited item. A near-identical
     statement with a changed value supersedes the older one; `replaces` names one explicitly.
-    `goal` holds one active item: a new goal supersedes the previous extracted one.
+    `goal` holds at most two active items: the first stated (the project's) and the newest; a new goal
+    supersedes the previous newest.
     """
     text = " ".join(text.split())
     if not text:
@@ -346,7 +347,11 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
     if len(changed) == 1:  # "Actually, Safari instead" after Chrome and Firefox: which one it replaces is unsaid
         targets += changed
     if kind == "goal":
-        targets += existing
+        # The first goal stated is what the project is for ("a robust data model for restaurant
+        # recommendations"); a later one is the task at hand ("keep the final image size under
+        # 120MB"). Both stay: the newest replaces the previous task's, not the project's, unless it
+        # restates or changes that one (above, and `merged` below).
+        targets += [old for old in existing[1:] if old not in targets]
     merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]
     for old in targets:
         if old.edited and not edited:

@@ -164,6 +164,22 @@ def test_what_the_user_is_attempting_or_asking_for_is_not_a_rule_the_stack_or_th
     assert state.classify("I'm trying to deploy by June, and I prefer Alpine images.", "user") == "preferences"
 
 
+def test_the_projects_goal_stays_beside_the_current_tasks() -> None:
+    """The first goal says what the project is for; later goals are tasks: the newest replaces the one
+    before it, never the project's, unless it changes that one in so many words."""
+    ledger = state.Ledger()
+    for i, text in enumerate(["My goal is a recommendation service for local restaurants.",
+                              "My goal is to make the scoring code more modular.",
+                              "My goal is to keep the final image size under 120MB."]):
+        ledger = state.extract(ledger, [turn("user", text)], i)
+    assert [i.text for i in ledger.active("goal")] == [
+        "My goal is a recommendation service for local restaurants.",
+        "My goal is to keep the final image size under 120MB."]
+    rendered = state.render(ledger, 500, words)
+    assert rendered.startswith("Goal:\n- My goal is to keep the final image size under 120MB.\n"
+                               "- My goal is a recommendation service for local restaurants.")
+
+
 def test_duplicates_are_not_added_twice() -> None:
     """Restating the same fact adds nothing."""
     t = turn("user", "We must keep p99 latency under 200 ms.")
