@@ -517,7 +517,7 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
                     caseless=True)
 # A move from one thing to another, said by the user: "let's switch to MySQL 8", "we're migrating from
 # SQLite to PostgreSQL 16", "I moved the queue over to Redis". A decision only when the first thing after
-# its "to" or "from" (a few words on) is a product (`_SWITCH_PRODUCT`): "I'm moving to Seattle", "let's
+# its "to" or "from" (a few words on) is a product (`_switches`): "I'm moving to Seattle", "let's
 # switch to dark mode", "we'll move the meeting to Friday", "moving on to Phase 2" decide nothing for the
 # project. ("We should switch" is a suggestion, not a decision.)
 _SWITCH = Pattern(r"\b(?:let's|we(?:'ll| will)|i(?:'ll| will))\s+(?:switch|move|migrate)\b(?!\s+on\b)"
@@ -529,7 +529,7 @@ _SWITCH_TARGET = re.compile(r"(?:\s+[\w'-]+){0,4}?\s+(?:over\s+)?(?:to|from)\s+(
 _PRODUCT_SPELLING = re.compile(r"[A-Za-z]+(?:[a-z][A-Z]|\.[a-z]|\+\+|#)")
 
 
-def _switches(sentence: str, low: str | None) -> bool:
+def _switches(sentence: str) -> bool:
     """Whether a user's sentence decides a move to (or from) a product: see `_SWITCH`."""
     m = _SWITCH.exact.search(sentence)
     if m is None:
@@ -631,9 +631,10 @@ _DIGIT_OR_SLASH = re.compile(r"[\d/]")
 _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"
                       r"|\bhttps?://\S+|\b[a-z][a-z0-9]+-\d+\b", caseless=True,
                       needs=lambda text: _DIGIT_OR_SLASH.search(text) is not None)
-# Facts said in words: a date the work is held to ("The deadline is March 15", "launch is set for
-# Friday"), money it may spend ("The budget is $5,000 a month"), and (_PERSON) the people it answers to
-# ("My manager Priya wants weekly reports"). The subject word comes first, the value a few words after.
+# Facts said in words: a date the work is held to ("The deadline is March 15", "our launch is set
+# for Friday"; not someone else's launch), money it may spend ("The budget is $5,000 a month"), and
+# (_PERSON) the people it answers to ("My manager Priya wants weekly reports"). The subject word comes
+# first, the value a few words after.
 _MONTH = (r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sep(?:t(?:ember)?)?"
           r"|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)")
 _FACT_SAID = Pattern(r"\b(?:deadline|due\s+date|(?:our|my)\s+(?:\w+\s+)?launch|launch\s+date|release\s+date|go-live"
@@ -675,8 +676,9 @@ _MAJOR = re.compile(r"(?<![\w.@/#+-])(?P<name>python|postgres(?:ql)?|mysql|maria
 # Words around a bare major version that say it is not what runs: a comparison, the past, others' use.
 _NOT_IN_USE = Pattern(r"\b(?:between|deciding|choosing|compar\w*|versus|vs|legacy|old|older|dropped|tutorials?"
                       r"|docs|end\s+of\s+life|eol|used\s+to|was|were)\b", caseless=True)
-# One platform, several spellings: the stack keys them alike.
+# "... upgraded the main database to " before a bare major version: the sentence moves to it.
 _MOVED_TO = re.compile(r"\b(?:upgrad|updat|bump|mov|migrat|switch)\w*\s+(?:[\w.-]+\s+){0,8}?to\s+$", re.IGNORECASE)
+# One platform, several spellings: the stack keys them alike.
 _ALIASES = {"postgres": "postgresql", "node": "node.js", "nodejs": "node.js", "vue": "vue.js", "vuejs": "vue.js",
             "dotnet": ".net", "nextjs": "next.js"}
 # "upgraded Node.js from v18.15.0 to v20.1.0": the name once, two versions.
@@ -896,7 +898,7 @@ def classify(sentence: str, role: str, *, joint: bool = False) -> Kind | None:
         return "goal"
     if _DECISION.search(sentence, low) and (user or joint or _MADE.search(sentence, low)):
         return "decisions"
-    if user and _switches(sentence, low):
+    if user and _switches(sentence):
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
