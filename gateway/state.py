@@ -607,15 +607,6 @@ _CHOSEN = (r"(?!.*\b(?:not|n['’]t|what|whatever|no|i|think|guess|still|error|b
 _ASSENT = re.compile(rf"\s*(?:{_ASSENT_WORDS}(?:[\s,.!]+(?:{_ASSENT_WORDS}|please))*(?:[\s,.!]+{_CHOSEN})?"
                      rf"|(?:(?:great|fine|good|alright)[\s,.!]+)?{_CHOSEN})"
                      r"[\s.!]*", re.IGNORECASE)
-# A sentence that opens on what the user is attempting or asking for ("I'm trying to debug ... model
-# architecture", "I need help finding ... I have to calculate c"): the ask of the moment, whatever its
-# words oblige or name, is not a rule, the stack or the architecture. (A decision in it still counts:
-# "I'm trying to X, and I've decided to use Y"; so does a taste: "..., and I prefer Alpine".)
-_ASKING = Pattern(r"^\W*(?:(?:so|hmm+|ok|okay|now|also|and|but|well)[,\s]+)*(?:i(?:'m| am)\s+(?:trying|attempting"
-                  r"|struggling|having\s+(?:trouble|issues|problems))\b|i\s+(?:need|want)\s+(?:some\s+)?help\b)",
-                  caseless=True)
-# "I want to make sure my architecture ...", "I need to review the microservice": a plan, not the design.
-_WANTS = Pattern(r"^\W*i\s+(?:want|need)\s+to\b", caseless=True)
 _STACK = Pattern(r"\b(?:tech\s+)?stack\s*[:=\-]|\bbuilt\s+(?:with|on)\b|\bwritten\s+in\b|\bruns\s+on\b"
                  r"|\bwe(?:'re| are)\s+using\b|\busing\s+\w+\s+(?:for|as)\b", caseless=True)
 _ARCH = Pattern(r"\barchitecture\b|\bmicroservices?\b|\bmonolith\b|\bevent[- ]driven\b"
@@ -902,16 +893,15 @@ def classify(sentence: str, role: str, *, joint: bool = False) -> Kind | None:
         return "decisions"
     if user and _NAME.search(sentence):
         return "facts"
-    asking = user and _ASKING.search(sentence, low)
-    if user and not asking and is_rule(sentence, low):
+    if user and is_rule(sentence, low):
         return "constraints"
     if user and is_preference(sentence, low):
         return "preferences"
     if (user and _TASK.search(sentence, low)) or _TODO.search(sentence):
         return "open_tasks"
-    if user and not asking and _STACK.search(sentence, low) and _TECH.search(sentence, low):
+    if user and _STACK.search(sentence, low) and _TECH.search(sentence, low):
         return "tech_stack"
-    if user and not asking and not _WANTS.search(sentence, low) and _ARCH.search(sentence, low):
+    if user and _ARCH.search(sentence, low):
         return "architecture"
     if user and (_FACT_SAID.search(sentence, low) or _PERSON.search(sentence)):
         return "facts"

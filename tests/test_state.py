@@ -150,20 +150,6 @@ def test_dates_money_and_people_said_in_words_are_facts() -> None:
     assert [i.text for i in ledger.active("facts")] == said[:3]
 
 
-def test_what_the_user_is_attempting_or_asking_for_is_not_a_rule_the_stack_or_the_design() -> None:
-    """"I'm trying to ...", "I need help ..." open the ask of the moment: the obliging or naming words in
-    it ("I have to calculate c", "using Redux for", "model architecture") state no rule, stack or design.
-    A decision or a taste said in the same sentence still counts."""
-    asks = ["I need help finding the foci of the ellipse, I know I have to calculate c first.",
-            "I'm trying to add login/logout UI components to my React app using Redux for state management.",
-            "I'm trying to debug a segmentation fault, and I think it's caused by my YOLO model architecture.",
-            "I want to make sure my system architecture is designed correctly."]
-    assert [state.classify(s, "user") for s in asks] == [None, None, None, None]
-    assert state.classify("We're using Redis as a message broker for the UI.", "user") == "tech_stack"
-    assert state.classify("I'm trying to set up the backend, and I've decided to use FastAPI.", "user") == "decisions"
-    assert state.classify("I'm trying to deploy by June, and I prefer Alpine images.", "user") == "preferences"
-
-
 def test_the_projects_goal_stays_beside_the_current_tasks() -> None:
     """The first goal says what the project is for; later goals are tasks: the newest replaces the one
     before it, never the project's, unless it changes that one in so many words."""
