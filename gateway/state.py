@@ -350,8 +350,9 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
         # The first goal stated is what the project is for ("a robust data model for restaurant
         # recommendations"); a later one is the task at hand ("keep the final image size under
         # 120MB"). Both stay: the newest replaces the previous task's, not the project's, unless it
-        # restates or changes that one (above, and `merged` below).
-        targets += [old for old in existing[1:] if old not in targets]
+        # says it changes it, or restates it (`merged` below).
+        # A goal that says it changes ("Actually, my goal is now ...") replaces the project's too.
+        targets += [old for old in (existing if _markers(text) else existing[1:]) if old not in targets]
     merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]
     for old in targets:
         if old.edited and not edited:
@@ -376,20 +377,15 @@ def record_replaced(item: Item, old: Item) -> None:
     item.was = list(dict.fromkeys([clip_words(old.text, WAS_WORDS), *old.was, *item.was]))[:MAX_WAS]
 
 
-# What a move from one thing to another replaces: what the project uses and chose. Not the user's rules,
-# tastes and facts that mention it: "We moved the CI scripts from Python to Go" leaves "Always write
-# tests in Python" standing, and "I'm moving from London" leaves "My manager Priya works in London".
-_SUPERSEDED_KINDS = frozenset(("tech_stack", "decisions", "architecture", "open_tasks"))
-
-
 def supersede_mentions(ledger: Ledger, term: str, by: str) -> None:
-    """Mark active extracted items of the project's choices mentioning `term` as replaced ("switch
-    from Flask to FastAPI"); the replacing item keeps what it replaced of its own kind."""
-    pat = re.compile(rf"(?<!\w){re.escape(term)}(?!\w)", re.IGNORECASE)
+    """Mark active extracted items mentioning `term` (or another spelling of it: "Postgres" for
+    "PostgreSQL") as replaced ("switch from Flask to FastAPI"); the replacing item keeps what it
+    replaced of its own kind."""
+    key = _ALIASES.get(term.lower(), term.lower())
+    spellings = {term.lower(), key, *(k for k, v in _ALIASES.items() if v == key)}
+    pat = re.compile(r"(?<!\w)(?:" + "|".join(sorted(map(re.escape, spellings))) + r")(?!\w)", re.IGNORECASE)
     new = next(((k, i) for k, i in ledger.all_items() if i.id == by), None)
     for kind, item in ledger.all_items():
-        if kind not in _SUPERSEDED_KINDS:
-            continue
         if item.id != by and item.superseded_by is None and not item.edited and pat.search(item.text):
             item.superseded_by = by
             if new is not None and new[0] == kind:
@@ -516,8 +512,9 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
                     r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}decision(?:\*\*)?\s*:",
                     caseless=True)
 # A move from one thing to another, said by the user: "let's switch to MySQL 8", "we're migrating from
-# SQLite to PostgreSQL 16", "I moved the queue over to Redis". A decision only when the first thing after
-# its "to" or "from" (a few words on) is a product (`_switches`): "I'm moving to Seattle", "let's
+# SQLite to PostgreSQL 16", "I moved the queue over to Redis". A decision only when what follows its
+# first "to"/"from" (a few words on), or the "to" after that, is a product (`_switches`): "I'm moving to
+# Seattle", "let's
 # switch to dark mode", "we'll move the meeting to Friday", "moving on to Phase 2" decide nothing for the
 # project. ("We should switch" is a suggestion, not a decision.)
 _SWITCH = Pattern(r"\b(?:let's|we(?:'ll| will)|i(?:'ll| will))\s+(?:switch|move|migrate)\b(?!\s+on\b)"
@@ -669,6 +666,10 @@ _NOT_IN_USE = Pattern(r"\b(?:between|deciding|choosing|compar\w*|versus|vs|legac
                       r"|docs|end\s+of\s+life|eol|used\s+to|was|were)\b", caseless=True)
 # "... upgraded the main database to " before a bare major version: the sentence moves to it.
 _MOVED_TO = re.compile(r"\b(?:upgrad|updat|bump|mov|migrat|switch)\w*\s+(?:[\w.-]+\s+){0,8}?to\s+$", re.IGNORECASE)
+# A move yet to be made: it does not change the stack's version.
+_PLANNED = Pattern(r"\b(?:plan\w*|should|want\w*|roadmap|next|eventually|consider\w*|going\s+to|will|would|might"
+                   r"|could|may|soon|later|someday|another\s+project|side\s+project|personal|my\s+laptop)\b",
+                   caseless=True)
 # One platform, several spellings: the stack keys them alike.
 _ALIASES = {"postgres": "postgresql", "node": "node.js", "nodejs": "node.js", "vue": "vue.js", "vuejs": "vue.js",
             "dotnet": ".net", "nextjs": "next.js"}
@@ -947,11 +948,16 @@ def _components(sentence: str) -> Iterator[tuple[str, str, bool]]:
     for m in _UPGRADE.finditer(text):
         if not _VERB_FORM.fullmatch(m["name"]) or _UPGRADED.search(text, max(0, m.start() - 16), m.start()):
             found += [(m.start(), m["name"], m["old"], True), (m.start() + 1, m["name"], m["new"], True)]
-    if not _NOT_IN_USE.search(text, ascii_lower(text)):
-        for m in _MAJOR.finditer(text):
-            if not _UNIT.match(text, m.end()) and not text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
-                moved = _MOVED_TO.search(text, max(0, m.start() - 96), m.start()) is not None
-                found.append((m.start(), m["name"], m["version"], moved))
+    for m in _MAJOR.finditer(text):
+        if _UNIT.match(text, m.end()) or text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
+            continue
+        moved = _MOVED_TO.search(text, max(0, m.start() - 96), m.start()) is not None
+        near = text[max(0, m.start() - 24): m.end() + 24]
+        if moved and _PLANNED.search(text, ascii_lower(text)):
+            moved = False  # "we plan to upgrade to PostgreSQL 17", "upgrading to 17 is on the roadmap"
+        elif not moved and _NOT_IN_USE.search(near, ascii_lower(near)):
+            continue
+        found.append((m.start(), m["name"], m["version"], moved))
     for m in _COMPONENT.finditer(text):
         if text[max(0, m.start() - 5): m.start()].lower().endswith("from "):
             continue  # "moved to Vue 3.3.4 from Vue 2.7.14": the one left behind
@@ -1003,10 +1009,10 @@ def _add_component(ledger: Ledger, name: str, version: str, *, source: int, time
         if old_key is not None and _ALIASES.get(old_key[0], old_key[0]) == key:
             # A bare major version ("Python 2", `_MAJOR`) only adds a platform the stack lacks, unless
             # the sentence moves to it: said in passing, it is as often another project's, or the
-            # past. "Python 3" after "Python 3.12" says less, not something else. "PostgreSQL 16.2" after
+            # past. "React 18" after "React 18.2.0" says less, even in a move. "PostgreSQL 16.2" after
             # "PostgreSQL 16" says more of the same: no change of version to keep as history, nor a
             # new date.
-            if old.edited or old_key[1] == digits or not replaces:
+            if old.edited or old_key[1] == digits or not replaces or old_key[1].startswith(digits + "."):
                 return None
             (refined if digits.startswith(old_key[1] + ".") else replaced).append(old)
     item = Item(id=_next_id(ledger), text=f"{name} {version}", source=source, time=time, component=key)
@@ -1076,8 +1082,10 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
             for m in _SUPERSEDE.finditer(sentence):
                 # "instead of PostgreSQL." names PostgreSQL: the sentence's own stop is not the name's.
                 term = next(g for g in m.groups() if g).rstrip(".-")
-                # "instead of this.", "instead of the ...": a word every statement may hold names nothing.
-                if len(term) > 1 and term.lower() not in _NOT_COMPONENTS:
+                # "instead of this.", "instead of them", "instead of using ...": a word any statement may
+                # hold names nothing; a move names a product, a capitalised name or a word with a digit.
+                if len(term) > 1 and (term[0].isupper() or _TECH.exact.fullmatch(term) is not None
+                                      or _PRODUCT_SPELLING.match(term) is not None or any(c.isdigit() for c in term)):
                     supersede_mentions(out, term, item.id)
     return out if added else ledger
 

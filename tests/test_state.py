@@ -90,17 +90,23 @@ def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -
     assert len(ledger.decisions) == 2
 
 
-def test_a_move_replaces_the_choices_it_names_not_the_rules_or_what_a_pronoun_stands_for() -> None:
-    """Moving the CI scripts from Python to Go leaves the user's rule about Python standing (a rule is
-    changed by a rule); "instead of this." names nothing, so it hides no statement holding "this"."""
+def test_a_move_replaces_what_names_the_old_thing_not_what_a_pronoun_stands_for() -> None:
+    """"instead of MySQL" replaces the rule that requires MySQL (a stale rule would be read first),
+    and "Postgres" the items that say "PostgreSQL"; "instead of them", "instead of using Celery" name
+    nothing a statement can be matched on, so they hide nothing."""
     ledger = state.Ledger()
-    for i, text in enumerate(["Always write tests in Python.", "We decided to use this repo layout for the monorepo.",
-                              "We moved the CI scripts from Python to Go.", "Let's use a queue instead of this."]):
+    for i, text in enumerate(["All new services must use MySQL.", "We run PostgreSQL 16.2.",
+                              "We will use them for logging.", "We decided to use Celery for jobs.",
+                              "We decided to use PostgreSQL instead of MySQL.",
+                              "We switched from Postgres to MySQL 8.0.1.",
+                              "Let's use a queue instead of them.", "Let's use a queue instead of using Celery."]):
         ledger = state.extract(ledger, [turn("user", text)], i)
-    assert [i.text for i in ledger.active("constraints")] == ["Always write tests in Python."]
+    assert ledger.active("constraints") == []
+    assert [i.text for i in ledger.active("tech_stack")] == ["MySQL 8.0.1"]
     assert [i.text for i in ledger.active("decisions")] == [
-        "We decided to use this repo layout for the monorepo.", "We moved the CI scripts from Python to Go.",
-        "Let's use a queue instead of this."]
+        "We will use them for logging.", "We decided to use Celery for jobs.",
+        "We switched from Postgres to MySQL 8.0.1.", "Let's use a queue instead of them.",
+        "Let's use a queue instead of using Celery."]
 
 
 def test_a_platform_at_a_major_version_is_in_the_stack() -> None:
@@ -121,6 +127,20 @@ def test_a_platform_at_a_major_version_is_in_the_stack() -> None:
     assert stack == ["Django 5", "Node.js 20", "PostgreSQL 17.1", "Python 3.12", "React 18.2.0"]
     (pg,) = [i for i in ledger.active("tech_stack") if i.text == "PostgreSQL 17.1"]
     assert pg.was == ["Postgres 16"] and pg.time == "2024-03-08T09:00:00"
+
+
+def test_a_move_to_a_major_version_is_made_or_planned() -> None:
+    """A move made replaces the version ("..., which was painless" is about the move); a planned one
+    ("we plan to upgrade ... next quarter") changes nothing; a move to less precision ("React 18" after
+    "React 18.2.0") keeps the precise one; a comparison word far from the name does not hide it."""
+    ledger = state.Ledger()
+    for i, text in enumerate(["We run PostgreSQL 15.4 and React 18.2.0.",
+                              "We plan to upgrade to PostgreSQL 17 next quarter.",
+                              "We upgraded to PostgreSQL 16, which was painless.", "We upgraded to React 18.",
+                              "I'm setting up my Django 5 project with relationships between the tables."]):
+        ledger = state.extract(ledger, [turn("user", text)], i)
+    assert sorted(i.text for i in ledger.active("tech_stack") if state.is_component(i)) == [
+        "Django 5", "PostgreSQL 16", "React 18.2.0"]
 
 
 def test_a_short_preference_that_says_it_changes_replaces_the_old_one() -> None:
@@ -164,6 +184,9 @@ def test_the_projects_goal_stays_beside_the_current_tasks() -> None:
     rendered = state.render(ledger, 500, words)
     assert rendered.startswith("Goal:\n- My goal is to keep the final image size under 120MB.\n"
                                "- My goal is a recommendation service for local restaurants.")
+    # A goal that says it changes replaces the project's too.
+    ledger = state.extract(ledger, [turn("user", "Actually, my goal is now a recipe app instead.")], 3)
+    assert [i.text for i in ledger.active("goal")] == ["Actually, my goal is now a recipe app instead."]
 
 
 def test_duplicates_are_not_added_twice() -> None:
