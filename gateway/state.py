@@ -350,8 +350,7 @@ def add_item(ledger: Ledger, kind: Kind, text: str, *, source: int | None, time:
         # The first goal stated is what the project is for ("a robust data model for restaurant
         # recommendations"); a later one is the task at hand ("keep the final image size under
         # 120MB"). Both stay: the newest replaces the previous task's, not the project's, unless it
-        # says it changes it, or restates it (`merged` below).
-        # A goal that says it changes ("Actually, my goal is now ...") replaces the project's too.
+        # says it changes ("Actually, my goal is now ...") or restates it (`merged` below).
         targets += [old for old in (existing if _markers(text) else existing[1:]) if old not in targets]
     merged = [old for old in existing if old not in targets and is_restatement(text, old.text)]
     for old in targets:
@@ -513,10 +512,9 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
                     caseless=True)
 # A move from one thing to another, said by the user: "let's switch to MySQL 8", "we're migrating from
 # SQLite to PostgreSQL 16", "I moved the queue over to Redis". A decision only when what follows its
-# first "to"/"from" (a few words on), or the "to" after that, is a product (`_switches`): "I'm moving to
-# Seattle", "let's
-# switch to dark mode", "we'll move the meeting to Friday", "moving on to Phase 2" decide nothing for the
-# project. ("We should switch" is a suggestion, not a decision.)
+# first "to"/"from" (a few words on), or the "to" after that, is a product (`_switches`): "I'm moving
+# to Seattle", "let's switch to dark mode", "we'll move the meeting to Friday", "moving on to Phase 2"
+# decide nothing for the project. ("We should switch" is a suggestion, not a decision.)
 _SWITCH = Pattern(r"\b(?:let's|we(?:'ll| will)|i(?:'ll| will))\s+(?:switch|move|migrate)\b(?!\s+on\b)"
                   r"|\b(?:we(?:'re| are)|i(?:'m| am))\s+(?:switching|moving|migrating)\b(?!\s+on\b)"
                   r"|\b(?:we|i)(?:'ve| have)?\s+(?:switched|moved|migrated)\b(?!\s+on\b)", caseless=True)
