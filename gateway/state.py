@@ -524,6 +524,11 @@ _SWITCH_TARGET = re.compile(r"(?:\s+[\w'-]+){0,4}?\s+(?:over\s+)?(?:to|from)\s+(
 _PRODUCT_SPELLING = re.compile(r"[A-Za-z]+(?:[a-z][A-Z]|\.[a-z]|\+\+|#)")
 
 
+def _product(word: str) -> bool:
+    """Whether one word names a product: a known technology or a product's spelling."""
+    return _PRODUCT_SPELLING.match(word) is not None or _TECH.exact.fullmatch(word) is not None
+
+
 def _switches(sentence: str) -> bool:
     """Whether a user's sentence decides a move to (or from) a product: see `_SWITCH`."""
     m = _SWITCH.exact.search(sentence)
@@ -535,7 +540,7 @@ def _switches(sentence: str) -> bool:
         if t is None:
             return False
         name = t["name"].rstrip(".-")
-        if t["version"] or _PRODUCT_SPELLING.match(name) or _TECH.exact.fullmatch(name):
+        if t["version"] or _product(name):
             return True
         at = t.end()
     return False
@@ -1082,8 +1087,7 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
                 term = next(g for g in m.groups() if g).rstrip(".-")
                 # "instead of this.", "instead of them", "instead of using ...": a word any statement may
                 # hold names nothing; a move names a product, a capitalised name or a word with a digit.
-                if len(term) > 1 and (term[0].isupper() or _TECH.exact.fullmatch(term) is not None
-                                      or _PRODUCT_SPELLING.match(term) is not None or any(c.isdigit() for c in term)):
+                if len(term) > 1 and (term[0].isupper() or _product(term) or any(c.isdigit() for c in term)):
                     supersede_mentions(out, term, item.id)
     return out if added else ledger
 
