@@ -933,17 +933,12 @@ def clip_words(text: str, words: int = 60, chars: int = 2_000) -> str:
     return text if len(text) <= chars else text[:chars] + " …"
 
 
-def components(sentence: str) -> Iterator[tuple[str, str]]:
-    """The (name, version) pairs a statement says the project uses: ("Express", "v4.18.2") from
-    "I've set up Express version 4.18.2". Nothing from a question, a negation or a hypothesis, nor
-    from quoted text (an error message names what it requires, not what runs)."""
-    for name, version, _ in _components(sentence):
-        yield name, version
-
-
-def _components(sentence: str) -> Iterator[tuple[str, str, bool]]:
-    """`components`, each with whether it may replace another version of its name in the stack: a
-    bare major version ("PostgreSQL 16") only where the sentence moves to it ("upgraded to ...")."""
+def components(sentence: str) -> Iterator[tuple[str, str, bool]]:
+    """The (name, version, replaces) a statement says the project uses: ("Express", "v4.18.2", True)
+    from "I've set up Express version 4.18.2". Nothing from a question, a negation or a hypothesis,
+    nor from quoted text (an error message names what it requires, not what runs). `replaces`: whether
+    it may replace another version of its name in the stack; a bare major version ("PostgreSQL 16")
+    only where the sentence moves to it ("upgraded to ...")."""
     if not is_statement(sentence) or _HYPOTHETICAL.search(sentence, ascii_lower(sentence)):
         return
     text = _COMPONENT_VERSION_WORD.sub("v", _unquoted(sentence))
@@ -1066,7 +1061,7 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
         statements = list(islice(stated(own_sentences(turn.role, whole), turn.role, joint), MAX_STATEMENTS))
         # The user's own stack, with versions (an assistant's suggestion is not yet the project's), from
         # every sentence: "Stack: Node.js v20.1.0, ..." in a long spec is the user's in any voice.
-        named = (list(islice((c for s in whole for c in _components(s)), MAX_COMPONENTS))
+        named = (list(islice((c for s in whole for c in components(s)), MAX_COMPONENTS))
                  if turn.role == "user" else [])
         if statements or named:
             found.append((start + i, turn.time or now, statements, named))

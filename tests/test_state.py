@@ -681,7 +681,7 @@ def test_reference_tags_after_a_statement_are_not_state() -> None:
     ("The log says `Node.js v16.0.0` somewhere.", []),
 ])
 def test_components_are_what_the_user_says_the_project_runs(text: str, named: list[tuple[str, str]]) -> None:
-    assert list(state.components(text)) == named
+    assert [(name, version) for name, version, _ in state.components(text)] == named
 
 
 def test_the_stack_keeps_each_component_apart_from_sentences_and_edits() -> None:
