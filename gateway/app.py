@@ -23,7 +23,8 @@ from gateway.dialects import dialect_for_path
 from gateway.logs import get_logger
 from gateway.memory import Memory
 from gateway.metrics import Metrics
-from gateway.proxy import RECORD, GatewayError, MemoryHook, Proxy, Record
+from gateway.offload import NotRelayed, Offload
+from gateway.proxy import PRELUDE, RECORD, GatewayError, MemoryHook, Proxy, Record
 from gateway.store import Store, open_store
 from gateway.summarizer import build_summarizer
 from gateway.tokens import TokenCounter
@@ -45,6 +46,8 @@ LOG: web.AppKey[BoundLogger] = web.AppKey("log")
 ACTIVITY = web.AppKey("activity", Activity)
 # The in-process fold workers (None: none run here), with the processes their fold CPU runs in.
 FOLDS: web.AppKey[WorkerPool | None] = web.AppKey("folds")
+# The large-bodies process (gateway/offload.py), set by `gateway serve` on a shared store.
+OFFLOAD: web.AppKey[Offload | None] = web.AppKey("offload")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -91,6 +94,11 @@ async def _rerouted(request: web.Request, raw_path: str) -> tuple[web.Request, H
 
 @web.middleware
 async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
+    offload = request.app.get(OFFLOAD)
+    if offload is not None and (offload.wants(request) or offload.chunked(request)):
+        relayed = await _offloaded(request, offload)
+        if relayed is not None:
+            return relayed
     rec = Record(route=None, method=request.method, t0=perf_counter())
     canon = paths.canonical(request.raw_path)
     if canon is not None and canon != request.raw_path:
@@ -138,6 +146,26 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
             rec.status = 499
     _finish(request.app, rec)
     return response
+
+
+async def _offloaded(request: web.Request, offload: Offload) -> web.StreamResponse | None:
+    """The large-bodies process's answer (it logs and counts the request), or None: serve it here.
+    A chunked body is read until it passes the threshold; a shorter one is then served here."""
+    prelude: list[bytes] = []
+    try:
+        if request.content_length is None:
+            prelude = await offload.take(request, request.app[SETTINGS].server.body_timeout_seconds)
+            if sum(map(len, prelude)) <= offload.threshold:
+                request[PRELUDE] = prelude
+                return None
+        return await offload.relay(request, prelude)
+    except NotRelayed as exc:
+        request.app[LOG].warning("offload.failed", error=str(exc), message="served in this process")
+        request[PRELUDE] = exc.prelude
+        return None
+    except TimeoutError:
+        seconds = request.app[SETTINGS].server.body_timeout_seconds
+        return _error_response(request, 408, f"the request body did not arrive within {seconds:g} s")
 
 
 def _finish(app: web.Application, rec: Record) -> None:
@@ -242,7 +270,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[METRICS].render()
+    offload = request.app.get(OFFLOAD)
+    sibling = await offload.metrics() if offload is not None else None
+    body, content_type = request.app[METRICS].render(sibling)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 

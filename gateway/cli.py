@@ -12,12 +12,14 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from gateway import demo, listener, logs, preflight, savings, worker
 from gateway import eval as evaluation
-from gateway.app import create_app
+from gateway.app import OFFLOAD, create_app
 from gateway.config import ConfigError, ServerSettings, Settings, load_settings, resolve_path
+from gateway.offload import PROCESS_LABEL, Offload
 from gateway.preflight import redact_url
 from gateway.shutdown import log_draining
 
@@ -102,19 +104,27 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     server = settings.server
     logs.configure(args.log_format or server.log_format, server.log_level)
+    if args.offload_socket:
+        return _serve_offloaded(settings, args.offload_socket)
     log = logs.get_logger("gateway")
     host = args.host or server.host
     port = server.port if args.port is None else args.port
+    store_url = settings.store.url
+    offload = None
+    if not store_url.startswith("memory://") and server.offload and settings.memory.enabled:
+        offload = Offload(server.offload_body_bytes, server.max_body_bytes, args.config,
+                          server.shutdown_grace_seconds)
     app = create_app(settings)
     app.on_startup.append(_freeze_startup_heap)
     app.on_shutdown.append(log_draining)
-    store_url = settings.store.url
     if store_url.startswith("memory://"):
         log.warning("store_embedded", store="memory://",
                     message="embedded in-process store: conversations are NOT persistent and not shared "
                             "between processes; set store.url to redis://… for real use")
     else:
         log.info("store", store=redact_url(store_url))
+    if offload is not None:
+        _offload(app, offload)
     loop = _install_event_loop()
     asyncio.set_event_loop(loop)
     try:
@@ -127,6 +137,64 @@ def serve(args: argparse.Namespace) -> int:
                   message=f"cannot listen on {host}:{port}; choose another with --port or server.port")
         return 1
     return 0
+
+
+def _offload(app: web.Application, offload: Offload) -> None:
+    """Large bodies go to a sibling process (gateway/offload.py) while this app runs."""
+    async def start(app: web.Application) -> None:
+        await offload.start()
+
+    async def stop(app: web.Application) -> None:
+        # (on_cleanup: after the requests in flight, relayed ones included, have been answered)
+        await offload.close()
+
+    app[OFFLOAD] = offload  # (it takes no request until its process answers)
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+
+
+def _without_fold_workers(settings: Settings) -> Settings:
+    mem = settings.memory
+    return settings.model_copy(update={"memory": mem.model_copy(
+        update={"worker": mem.worker.model_copy(update={"in_process": 0})})})
+
+
+def _serve_offloaded(settings: Settings, path: str) -> int:
+    """The offload process: this app on a Unix socket, for the `gateway serve` that started it. It
+    runs no fold workers: a fold committed in another process costs the serving one a reload of
+    the conversation's view (docs/architecture.md, Known views), so they stay with the serving
+    process. It stops at SIGTERM or when its stdin (a pipe from the parent) ends."""
+    settings = _without_fold_workers(settings)
+    structlog.contextvars.bind_contextvars(process_role=PROCESS_LABEL)
+    app = create_app(settings)
+    app.on_startup.append(_freeze_startup_heap)
+    loop = _install_event_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(_serve_unix(app, settings.server, path))
+    return 0
+
+
+async def _serve_unix(app: web.Application, limits: ServerSettings, path: str) -> None:
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                           keepalive_timeout=limits.keepalive_timeout_seconds,
+                           max_line_size=listener.MAX_REQUEST_LINE, shutdown_timeout=limits.shutdown_grace_seconds)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # The parent's end of our stdin closes when it exits, however it exits.
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    orphaned = loop.create_task(reader.read())
+    orphaned.add_done_callback(lambda _: stop.set())
+    try:
+        site = web.UnixSite(runner, path)
+        await site.start()
+        await stop.wait()
+    finally:
+        orphaned.cancel()
+        await runner.cleanup()
 
 
 async def _serve(app: web.Application, limits: ServerSettings, host: str, port: int,
@@ -164,6 +232,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="listen address (default: server.host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default: server.port, 8080)")
     s.add_argument("--log-format", choices=("json", "console"), help="default: server.log_format")
+    # Internal: what `gateway serve` starts its large-bodies process with (gateway/offload.py).
+    s.add_argument("--offload-socket", help=argparse.SUPPRESS)
     s.set_defaults(run=serve)
 
     c = sub.add_parser("check-config", help="validate a config file, naming each wrong key")

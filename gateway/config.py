@@ -30,6 +30,11 @@ class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # `gateway serve` on a shared store (Redis) starts a second process (gateway/offload.py) that serves
+    # every request whose body is over offload_body_bytes, so parsing it never holds the event loop
+    # that serves the rest. false: one process serves all (as always on the embedded memory:// store).
+    offload: bool = True
+    offload_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # A request head must arrive within this of its first byte (slow-header sockets are closed).
     header_timeout_seconds: float = Field(10.0, gt=0, le=3600)
     # A request body must arrive within this once its head is in (else 408 in the caller's dialect).

@@ -16,14 +16,16 @@ fold workers count `folds`, `fold_seconds` and `summarizer_tokens`; the store's 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from time import perf_counter
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from gateway.model import Usage
@@ -138,6 +140,39 @@ class Metrics:
             if n:
                 self.usage_tokens.labels(provider, model, kind).inc(n)
 
-    def render(self) -> tuple[bytes, str]:
-        """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+    def render(self, sibling: str | None = None) -> tuple[bytes, str]:
+        """The exposition text and its content type; `sibling`: another process's exposition (the
+        large-bodies process, gateway/offload.py), whose samples are added to this one's."""
+        if not sibling:
+            return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+        return generate_latest(_Merged(self.registry, sibling)), CONTENT_TYPE_PLAIN_0_0_4
+
+
+class _Merged:
+    """A registry's families with another process's added: every sample summed by name and labels
+    (counters, histograms' buckets, sums and counts, the pending gauge)."""
+
+    def __init__(self, registry: CollectorRegistry, other: str) -> None:
+        self.registry = registry
+        self.other = other
+
+    def collect(self) -> Iterator[Metric]:
+        theirs: dict[str, Metric] = {}
+        with contextlib.suppress(ValueError):  # an exposition that does not parse adds nothing
+            # (The text format gives a counter's `_created` samples a family of their own: this
+            # process's are kept.)
+            theirs = {f.name: f for f in text_string_to_metric_families(self.other) if not f.name.endswith("_created")}
+        for family in self.registry.collect():
+            other = theirs.pop(family.name, None)
+            if other is None or other.type != family.type:
+                yield family
+                continue
+            values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for sample in (*family.samples, *(s for s in other.samples if not s.name.endswith("_created"))):
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                values[key] = values.get(key, 0.0) + sample.value
+            merged = Metric(family.name, family.documentation, family.type, family.unit)
+            for (name, labels), value in values.items():
+                merged.add_sample(name, dict(labels), value)
+            yield merged
+        yield from theirs.values()

@@ -111,14 +111,18 @@ RECORD = web.RequestKey("gateway_record", Record)
 # Request bodies of more bytes are joined in a thread (read_body).
 JOIN_OFF_LOOP = 1 << 20
 TAP: web.RequestKey[UsageTap | None] = web.RequestKey("gateway_usage_tap")
+# Body chunks already read from the client (gateway/offload.py measured a chunked body): read first.
+PRELUDE: web.RequestKey[list[bytes]] = web.RequestKey("gateway_body_prelude")
 
 async def read_body(request: web.Request, seconds: float, max_bytes: int) -> bytes:
     """The request body; over `max_bytes` (server.max_body_bytes) → aiohttp's 413, slower than
     `seconds` → 408. Read as it arrives, then joined once, a long one in a thread (bytes.join lets go
     of the interpreter lock on long inputs): aiohttp's `read()` buffers up to the limit and copies a
     30 MB body three times on the event loop (~25 ms during which no other request is served)."""
-    chunks: list[bytes] = []
-    size = 0
+    chunks: list[bytes] = list(request.get(PRELUDE, ()))
+    size = sum(map(len, chunks))
+    if size > max_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=size)
     try:
         async with asyncio.timeout(seconds):
             while chunk := await request.content.readany():

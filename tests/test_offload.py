@@ -1,0 +1,271 @@
+"""The offload process (gateway/offload.py): `gateway serve` on Redis starts a sibling that serves
+large bodies. Real processes: `gateway serve` as a subprocess, a redis-server of
+this module's own, a fake upstream on port 0 in the test process, the official SDK as a client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.testing import FakeUpstream
+from tests.conftest import RedisProcess, free_port
+
+KEY = "sk-offload-client-0001"
+THRESHOLD = 64 * 1024
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    r = RedisProcess(tmp_path)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.kill()
+
+
+class Gateway:
+    def __init__(self, url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.url, self.proc, self.log = url, proc, log
+
+    def lines(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    def requests(self, conversation: str) -> list[dict[str, Any]]:
+        return [ln for ln in self.lines() if ln.get("event") == "request" and ln.get("conversation") == conversation]
+
+    async def offload_pid(self, after: int = 0, seconds: float = 60.0) -> int:
+        """The pid of the offload process once it answers (its `after`+1-th start)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ready = [ln["pid"] for ln in self.lines() if ln.get("event") == "offload.ready"]
+            if len(ready) > after:
+                return int(ready[after])
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+        raise AssertionError("the offload process never answered:\n" + self.log.read_text()[-3000:])
+
+
+def _spawn(config: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_CONFIG"}
+    with log.open("wb") as f:
+        return subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config),
+                                 "--port", str(port)], stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+@contextlib.asynccontextmanager
+async def gateway(tmp: Path, redis: RedisProcess, fake: FakeUpstream, **server: Any) -> AsyncIterator[Gateway]:
+    cfg = {"store": {"url": redis.url},
+           "upstreams": {"openai": {"base_url": fake.openai_base_url},
+                         "anthropic": {"base_url": fake.anthropic_base_url}},
+           "memory": {"message_threshold": 6, "keep_recent": 4, "fold_batch": 4, "cost_model": False},
+           "server": {"offload_body_bytes": THRESHOLD, **server}}
+    (tmp / "gw.yaml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    log = tmp / "gw.log"
+    proc = _spawn(tmp / "gw.yaml", port, log)
+    gw = Gateway(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        await gw.offload_pid()
+        yield gw
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _history(n: int, size: int) -> list[dict[str, str]]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}: " + "lorem ipsum " * (size // 12)}
+            for i in range(n)]
+
+
+async def _stored_user_turns(http: aiohttp.ClientSession, url: str, conv: str) -> list[str]:
+    async with http.get(f"{url}/gateway/conversations/{conv}/messages?limit=1000",
+                        headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status == 200, await r.text()
+        page = await r.json()
+    return [d["message"]["content"] for d in page["data"] if d["role"] == "user"]
+
+
+async def _stored_is(http: aiohttp.ClientSession, url: str, conv: str, want: list[str]) -> bool:
+    return await _stored_user_turns(http, url, conv) == want
+
+
+async def _eventually(check: Any, seconds: float = 20.0) -> Any:
+    """`check()` (awaited if it must be) once it is truthy, or its last value after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)
+
+
+def _exited(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_a_large_body_is_served_by_the_offload_process_and_remembered(tmp_path: Path,
+                                                                            redis: RedisProcess) -> None:
+    """A body over offload_body_bytes, sent with the official SDK, streamed and not: the offload
+    process answers it (its log line says so), the answer arrives whole, and the turn is stored;
+    a small request on the same gateway is served by the gateway's own process."""
+    async with FakeUpstream(reply="Noted, all of it.") as fake, gateway(tmp_path, redis, fake) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+        history = _history(11, 12_000)  # ~130 KB of JSON
+        big = await client.chat.completions.create(model="gpt-4o", messages=history,  # type: ignore[arg-type]
+                                                   extra_headers={"X-Conversation-Id": "big"})
+        assert big.choices[0].message.content == "Noted, all of it."
+        history += [{"role": "assistant", "content": "Noted, all of it."}, {"role": "user", "content": "and now?"}]
+        stream = await client.chat.completions.create(model="gpt-4o", messages=history,  # type: ignore[arg-type]
+                                                      stream=True, extra_headers={"X-Conversation-Id": "big"})
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == "Noted, all of it."
+        small = await client.chat.completions.with_raw_response.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}], extra_headers={"X-Conversation-Id": "small"})
+        assert small.http_response.status_code == 200
+        await client.close()
+
+        async with aiohttp.ClientSession() as http:
+            want = [m["content"] for m in history if m["role"] == "user"]
+            assert await _eventually(lambda: _stored_is(http, gw.url, "big", want))
+        logged = await _eventually(lambda: (len(gw.requests("big")) == 2 and gw.requests("small")))
+        assert logged
+        assert [ln.get("process_role") for ln in gw.requests("big")] == ["offload", "offload"]
+        assert [ln.get("process_role") for ln in gw.requests("small")] == [None]
+
+
+async def test_a_chunked_body_is_measured_as_it_arrives(tmp_path: Path, redis: RedisProcess) -> None:
+    """A body without Content-Length goes to the offload process once it passes the threshold; a short
+    one is served here, its first chunks not lost to the measuring."""
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+            aiohttp.ClientSession() as http:
+        for conv, n in (("chunked-big", 11), ("chunked-small", 3)):
+            raw = json.dumps({"model": "gpt-4o", "messages": _history(n, 12_000 if n > 3 else 100)}).encode()
+
+            async def body(raw: bytes = raw) -> AsyncIterator[bytes]:
+                for i in range(0, len(raw), 10_000):
+                    yield raw[i:i + 10_000]
+
+            async with http.post(gw.url + "/v1/chat/completions", data=body(),
+                                 headers={"Authorization": f"Bearer {KEY}", "X-Conversation-Id": conv,
+                                          "Content-Type": "application/json"}) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers.get("Transfer-Encoding") is None or "Content-Length" not in r.headers
+            assert fake.requests[-1].body["messages"][-1]["content"].startswith(f"message {n - 1}:")
+        assert await _eventually(lambda: (gw.requests("chunked-big") and gw.requests("chunked-small")))
+        assert gw.requests("chunked-big")[0].get("process_role") == "offload"
+        assert gw.requests("chunked-small")[0].get("process_role") is None
+
+
+async def test_metrics_count_what_the_offload_process_served(tmp_path: Path, redis: RedisProcess) -> None:
+    """/metrics adds the offload process's samples to the gateway's own: one large and one small
+    request count two, and the exposition stays valid (one family per name)."""
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+            aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "m"}
+        for n in (11, 1):
+            body = {"model": "gpt-4o", "messages": _history(n, 12_000 if n > 1 else 10)}
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+
+        async def total_is(want: float) -> bool:
+            async with http.get(gw.url + "/metrics") as r:
+                families = list(text_string_to_metric_families(await r.text()))
+            names = [f.name for f in families]
+            assert len(names) == len(set(names)), names
+            return want == sum(s.value for f in families if f.name == "gateway_requests" for s in f.samples
+                               if s.name == "gateway_requests_total" and s.labels["route"] == "/v1/chat/completions")
+
+        assert await _eventually(lambda: total_is(2.0))
+
+
+async def test_conversations_the_offload_process_serves_are_folded_by_the_gateway(tmp_path: Path,
+                                                                                   redis: RedisProcess) -> None:
+    """The offload process queues folds; the gateway's own workers run them (one set of workers)."""
+    async with FakeUpstream(reply="Noted.") as fake, gateway(tmp_path, redis, fake) as gw, \
+            aiohttp.ClientSession() as http:
+        messages = _history(9, 12_000)
+        for i in range(3):
+            messages.append({"role": "user", "content": f"Turn {i}: we decided to use port {8000 + i}."})
+            async with http.post(gw.url + "/v1/chat/completions", json={"model": "gpt-4o", "messages": messages},
+                                 headers={"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "f"}) as r:
+                assert r.status == 200
+            messages.append({"role": "assistant", "content": "Noted."})
+        folds = await _eventually(lambda: [ln for ln in gw.lines()
+                                           if ln.get("event") == "fold.ok" and ln.get("conversation") == "f"])
+        assert folds and {ln.get("process_role") for ln in folds} == {None}
+        assert {ln.get("process_role") for ln in gw.requests("f")} == {"offload"}
+        started = [ln for ln in gw.lines() if ln.get("event") == "fold.workers_started"]
+        assert [ln.get("process_role") for ln in started] == [None]
+
+
+async def test_a_killed_offload_process_is_replaced_and_no_request_fails(tmp_path: Path,
+                                                                         redis: RedisProcess) -> None:
+    """SIGKILL to the offload process: large requests are served by the gateway meanwhile (200, stored),
+    and a new offload process takes over."""
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+            aiohttp.ClientSession() as http:
+        first = await gw.offload_pid()
+        os.kill(first, signal.SIGKILL)
+        history = _history(11, 12_000)
+        headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "k"}
+        for _ in range(3):
+            async with http.post(gw.url + "/v1/chat/completions", json={"model": "gpt-4o", "messages": history},
+                                 headers=headers) as r:
+                assert r.status == 200, await r.text()
+            history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": f"more {len(history)}"}]
+        second = await gw.offload_pid(after=1)
+        assert second != first
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "gpt-4o", "messages": history},
+                             headers=headers) as r:
+            assert r.status == 200
+        want = [m["content"] for m in history if m["role"] == "user"]
+        assert await _eventually(lambda: _stored_is(http, gw.url, "k", want))
+        assert any(ln.get("event") == "offload.exited" for ln in gw.lines())
+
+
+async def test_the_offload_process_leaves_with_the_gateway(tmp_path: Path, redis: RedisProcess) -> None:
+    """SIGTERM: both exit 0; SIGKILL to the gateway: the offload process exits on its own."""
+    async with FakeUpstream() as fake:
+        async with gateway(tmp_path, redis, fake) as gw:
+            pid = await gw.offload_pid()
+            gw.proc.send_signal(signal.SIGTERM)
+            assert gw.proc.wait(timeout=40) == 0
+            assert await _eventually(lambda: (_exited(pid)))
+        (tmp_path / "gw.log").unlink()
+        async with gateway(tmp_path, redis, fake) as gw:
+            pid = await gw.offload_pid()
+            gw.proc.kill()
+            gw.proc.wait()
+            assert await _eventually(lambda: (_exited(pid)), seconds=40)
