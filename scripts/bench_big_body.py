@@ -2,7 +2,7 @@
 
 Starts `gateway serve` (its own process) in front of a fake upstream (this process, port 0), then
 for each body shape sends `--repeat` first requests of about `--mb` megabytes, each on a new
-conversation, while a poller asks `GET /healthz` every 2 ms. The loop's stall is what the poller
+conversation, while a poller (a process of its own) asks `GET /healthz` every 2 ms. The loop's stall is what the poller
 sees: the slowest /healthz answer while the big request is in flight (after it too, until its
 fold is done: `--settle` seconds), against the idle median. Prints one line per shape: status,
 request time, the worst and second-worst /healthz times while requests were in flight over all
@@ -92,41 +92,65 @@ async def wait_ready(url: str) -> None:
     raise SystemExit("the gateway did not start")
 
 
-async def one(url: str, path: str, raw: bytes, conv: str,
-              settle: float) -> tuple[int, float, list[float], list[float], float]:
+POLLER = """
+import http.client, sys, time
+conn = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]))
+out = open(sys.argv[3], "w", buffering=1)
+while True:
+    t = time.monotonic()
+    try:
+        conn.request("GET", "/healthz")
+        conn.getresponse().read()
+    except OSError:
+        conn.close()
+        conn = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]))
+        continue
+    out.write(f"{t} {(time.monotonic() - t) * 1000}\\n")
+    time.sleep(0.002)
+"""
+
+
+class Poller:
+    """`GET /healthz` every 2 ms from a process of its own: this one's event loop (the fake upstream
+    parses what the gateway forwards, tens of MB) must not delay what is measured."""
+
+    def __init__(self, port: int, folder: Path) -> None:
+        self.path = folder / "healthz.txt"
+        self.proc = subprocess.Popen([sys.executable, "-c", POLLER, "127.0.0.1", str(port), str(self.path)])
+
+    def between(self, start: float, end: float) -> list[float]:
+        """Latencies (ms) of the polls sent from `start` to `end` (time.monotonic)."""
+        out = []
+        for line in self.path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and start <= float(parts[0]) < end:
+                out.append(float(parts[1]))
+        return out
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+async def one(url: str, path: str, raw: bytes, conv: str, settle: float,
+              poller: Poller) -> tuple[int, float, list[float], list[float], float]:
     """(status, request seconds, /healthz ms while in flight, then while settling, idle median ms)."""
-    lat: list[float] = []
-    answered = 0
-    stop = False
     headers = {"content-type": "application/json", "authorization": "Bearer sk-bench-big-body",
                "x-api-key": "sk-bench-big-body", "anthropic-version": "2023-06-01", "x-conversation-id": conv}
     async with aiohttp.ClientSession() as http:
-        async def poll() -> None:
-            while not stop:
-                t = time.perf_counter()
-                async with http.get(url + "/healthz") as r:
-                    await r.read()
-                lat.append((time.perf_counter() - t) * 1000)
-                await asyncio.sleep(0.002)
-
-        poller = asyncio.create_task(poll())
         await asyncio.sleep(0.5)
-        idle = statistics.median(lat)
-        lat.clear()
-        t = time.perf_counter()
+        t = time.monotonic()
         async with http.post(url + path, data=raw, headers=headers) as r:
             status = r.status
             await r.read()
-        took = time.perf_counter() - t
-        answered = len(lat)
+        done = time.monotonic()
         await asyncio.sleep(settle)
-        stop = True
-        await poller
         # What the request stored (tens of MB) does not stay in the store.
         async with http.delete(url + "/gateway/conversations/" + conv, headers=headers) as r:
             await r.read()
     # (A poll in flight when the answer came is counted with the request.)
-    return status, took, lat[:answered + 1], lat[answered + 1:], idle
+    idle = statistics.median(poller.between(t - 0.5, t) or [0.0])
+    return status, done - t, poller.between(t, done), poller.between(done, done + settle), idle
 
 
 async def main() -> None:
@@ -136,10 +160,15 @@ async def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--settle", type=float, default=3.0, help="seconds polled after each answer (its fold)")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--no-offload", action="store_true",
+                   help="server.offload: false (one process serves every body and runs the folds)")
     args = p.parse_args()
     async with FakeUpstream(record=False) as fake:
         tmp = Path(tempfile.mkdtemp(prefix="gw-bigbody-"))
-        cfg = {"store": {"url": args.redis or "memory://"}, "server": {"log_level": "warning"},
+        server: dict[str, Any] = {"log_level": "warning"}
+        if args.no_offload:
+            server["offload"] = False
+        cfg = {"store": {"url": args.redis or "memory://"}, "server": server,
                "upstreams": {"openai": {"base_url": fake.url + "/v1"}, "anthropic": {"base_url": fake.url}}}
         (tmp / "gw.yaml").write_text(yaml.safe_dump(cfg))
         with socket.socket() as s:
@@ -149,8 +178,10 @@ async def main() -> None:
         proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config",  # noqa: ASYNC220 (before timing)
                                  str(tmp / "gw.yaml"), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
+        poller = None
         try:
             await wait_ready(url)
+            poller = Poller(port, tmp)
             print(f"{'shape':10} {'MB':>5} {'status':>6} {'request s':>9} {'healthz idle ms':>15} "
                   f"{'max ms':>7} {'2nd ms':>7} {'after: max ms':>13}  (over {args.repeat} requests; "
                   f"after: the {args.settle:g} s after each answer, its fold)")
@@ -165,11 +196,11 @@ async def main() -> None:
                     conv = f"big-{shape}-{i}-{random.random()}"
                     raw = json.dumps(doc, ensure_ascii=False).encode()
                     if shape == "resend":  # the first body learned, then the same history and one more message
-                        await one(url, path, raw, conv, args.settle)
+                        await one(url, path, raw, conv, args.settle, poller)
                         more = {**doc, "messages": [*doc["messages"], {"role": "assistant", "content": "ok"},
                                                     {"role": "user", "content": "one more"}]}
                         raw = json.dumps(more, ensure_ascii=False).encode()
-                    status, took, lat, settling, idle = await one(url, path, raw, conv, args.settle)
+                    status, took, lat, settling, idle = await one(url, path, raw, conv, args.settle, poller)
                     statuses.add(status)
                     times.append(took)
                     idles.append(idle)
@@ -180,6 +211,8 @@ async def main() -> None:
                       f"{statistics.median(times):9.3f} {statistics.median(idles):15.2f} "
                       f"{worst[-1]:7.1f} {worst[-2]:7.1f} {max(after, default=0):13.1f}", flush=True)
         finally:
+            if poller is not None:
+                poller.close()
             proc.terminate()
             proc.wait(30)
             log.close()
