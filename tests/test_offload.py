@@ -23,6 +23,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.metrics import Metrics
 from gateway.testing import FakeUpstream
 from tests.conftest import RedisProcess, free_port
 
@@ -269,3 +270,29 @@ async def test_the_offload_process_leaves_with_the_gateway(tmp_path: Path, redis
             gw.proc.kill()
             gw.proc.wait()
             assert await _eventually(lambda: (_exited(pid)), seconds=40)
+
+
+def test_merged_metrics_add_every_sample_once() -> None:
+    """The merge behind /metrics: counters with the same labels add, other label sets are kept,
+    histogram buckets, sums and counts add, and each family is written once."""
+    ours, theirs = Metrics(), Metrics()
+    ours.requests.labels("/v1/messages", "full", "200", "anthropic", "claude").inc(2)
+    theirs.requests.labels("/v1/messages", "full", "200", "anthropic", "claude").inc(3)
+    theirs.requests.labels("/v1/messages", "full", "400", "anthropic", 'a "quoted" \\ model').inc()
+    ours.overhead.observe(0.0002)
+    theirs.overhead.observe(0.2)
+    theirs.unrecorded_pending.set(4)
+    text, _ = ours.render(theirs.render()[0].decode())
+    families = list(text_string_to_metric_families(text.decode()))
+    assert len({f.name for f in families}) == len(families)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    base = (("context", "full"), ("model", "claude"), ("provider", "anthropic"), ("route", "/v1/messages"))
+    assert samples[("gateway_requests_total", (*base, ("status", "200")))] == 5
+    odd = (("context", "full"), ("model", 'a "quoted" \\ model'), ("provider", "anthropic"),
+           ("route", "/v1/messages"), ("status", "400"))
+    assert samples[("gateway_requests_total", odd)] == 1
+    assert samples[("gateway_overhead_seconds_count", ())] == 2
+    assert samples[("gateway_overhead_seconds_bucket", (("le", "0.00025"),))] == 1
+    assert samples[("gateway_overhead_seconds_bucket", (("le", "+Inf"),))] == 2
+    assert samples[("gateway_unrecorded_pending", ())] == 4
+    assert ours.render("not an exposition {")[0].startswith(b"# HELP")  # a garbled sibling adds nothing
