@@ -44,6 +44,7 @@ from gateway import fold, state
 from gateway.config import Settings
 from gateway.logs import get_logger
 from gateway.model import Message
+from gateway.pace import Pace
 from gateway.summarizer import build_summarizer
 from gateway.tokens import FALLBACK_ENCODING, TokenCounter
 
@@ -289,10 +290,13 @@ def _frames(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[bytes]:
     (the event loop with it); between slices the loop gets its turn."""
     head: list[Any] = []
     tails: list[bytes] = []
+    pace = Pace()
     for a in args:
         if isinstance(a, (list, tuple)) and len(a) > _SLICE and isinstance(a[0], Message):
-            pieces = [pickle.dumps(list(a[i:i + _SLICE]), protocol=pickle.HIGHEST_PROTOCOL)
-                      for i in range(0, len(a), _SLICE)]
+            pieces = []
+            for i in range(0, len(a), _SLICE):
+                pieces.append(pickle.dumps(list(a[i:i + _SLICE]), protocol=pickle.HIGHEST_PROTOCOL))
+                pace.spent(len(pieces[-1]))
             head.append(_Slices(len(pieces)))
             tails += pieces
         else:
