@@ -3,9 +3,8 @@
 A thread running many short Python steps (parsing 2,000 records, pickling a fold's messages) keeps
 the lock until the event loop has asked for it for a whole switch interval (5 ms), and gets it
 back at once: the loop then turns once every 5 ms or so for as long as the thread runs. A thread
-that lets go itself (`time.sleep(0)`) every `STEP_BYTES` of input lets a waiting loop in at once.
-Measured on 29 MB of records parsed in a thread: the loop's worst lateness went from 8.5 to 2.2
-ms, at 20% more time for the parse."""
+that lets go itself (`time.sleep(0)`) every `STEP_BYTES` of input lets a waiting loop in at once
+(docs/architecture.md, Long requests and the event loop)."""
 
 from __future__ import annotations
 
