@@ -24,7 +24,7 @@ from gateway.logs import get_logger
 from gateway.memory import Memory
 from gateway.metrics import Metrics
 from gateway.offload import NotRelayed, Offload
-from gateway.proxy import PRELUDE, RECORD, GatewayError, MemoryHook, Proxy, Record
+from gateway.proxy import BODY_DEADLINE, PRELUDE, RECORD, GatewayError, MemoryHook, Proxy, Record
 from gateway.store import Store, open_store
 from gateway.summarizer import build_summarizer
 from gateway.tokens import TokenCounter
@@ -94,12 +94,8 @@ async def _rerouted(request: web.Request, raw_path: str) -> tuple[web.Request, H
 
 @web.middleware
 async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
-    offload = request.app.get(OFFLOAD)
-    if offload is not None and (offload.wants(request) or offload.chunked(request)):
-        relayed = await _offloaded(request, offload)
-        if relayed is not None:
-            return relayed
     rec = Record(route=None, method=request.method, t0=perf_counter())
+    offload = request.app.get(OFFLOAD)
     canon = paths.canonical(request.raw_path)
     if canon is not None and canon != request.raw_path:
         request, handler = await _rerouted(request, canon)
@@ -108,6 +104,10 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
         if canon is None:
             rec.route = "unmatched"
             raise GatewayError(400, None, "the path climbs above the root")
+        if offload is not None and offload.wants(request):
+            relayed = await _offloaded(request, offload)
+            if relayed is not None:
+                return relayed  # (the offload process logged and counted it)
         response = await handler(request)
     except GatewayError as exc:
         # The log line says why the gateway answered itself (the caller got the same words).
@@ -149,23 +149,25 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 async def _offloaded(request: web.Request, offload: Offload) -> web.StreamResponse | None:
-    """The large-bodies process's answer (it logs and counts the request), or None: serve it here.
-    A chunked body is read until it passes the threshold; a shorter one is then served here."""
-    prelude: list[bytes] = []
+    """The offload process's answer, or None: serve the request here (a chunked body that ended under
+    the threshold, or an offload process that failed before answering), from the chunks already read."""
+    seconds = request.app[SETTINGS].server.body_timeout_seconds
+    deadline = request[BODY_DEADLINE] = asyncio.get_running_loop().time() + seconds
     try:
+        prelude: list[bytes] = []
         if request.content_length is None:
-            prelude = await offload.take(request, request.app[SETTINGS].server.body_timeout_seconds)
+            prelude = await offload.take(request, deadline)
             if sum(map(len, prelude)) <= offload.threshold:
                 request[PRELUDE] = prelude
                 return None
-        return await offload.relay(request, prelude)
+        return await offload.relay(request, prelude, deadline)
     except NotRelayed as exc:
         request.app[LOG].warning("offload.failed", error=str(exc), message="served in this process")
         request[PRELUDE] = exc.prelude
         return None
     except TimeoutError:
-        seconds = request.app[SETTINGS].server.body_timeout_seconds
-        return _error_response(request, 408, f"the request body did not arrive within {seconds:g} s")
+        request[RECORD].route = "offload"  # (logged and counted here: no handler ran)
+        raise GatewayError(408, None, f"the request body did not arrive within {seconds:g} s") from None
 
 
 def _finish(app: web.Application, rec: Record) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -19,7 +22,7 @@ from gateway import demo, listener, logs, preflight, savings, worker
 from gateway import eval as evaluation
 from gateway.app import OFFLOAD, create_app
 from gateway.config import ConfigError, ServerSettings, Settings, load_settings, resolve_path
-from gateway.offload import PROCESS_LABEL, Offload
+from gateway.offload import NICE, PROCESS_LABEL, Offload
 from gateway.preflight import redact_url
 from gateway.shutdown import log_draining
 
@@ -113,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     offload = None
     if not store_url.startswith("memory://") and server.offload and settings.memory.enabled:
         offload = Offload(server.offload_body_bytes, server.max_body_bytes, args.config,
-                          server.shutdown_grace_seconds)
+                          server.shutdown_grace_seconds, args.log_format)
     app = create_app(settings)
     app.on_startup.append(_freeze_startup_heap)
     app.on_shutdown.append(log_draining)
@@ -165,6 +168,8 @@ def _serve_offloaded(settings: Settings, path: str) -> int:
     the conversation's view (docs/architecture.md, Known views), so they stay with the serving
     process. It stops at SIGTERM or when its stdin (a pipe from the parent) ends."""
     settings = _without_fold_workers(settings)
+    with contextlib.suppress(OSError):
+        os.nice(NICE)  # the serving process goes first when both want the CPU
     structlog.contextvars.bind_contextvars(process_role=PROCESS_LABEL)
     app = create_app(settings)
     app.on_startup.append(_freeze_startup_heap)
@@ -195,6 +200,8 @@ async def _serve_unix(app: web.Application, limits: ServerSettings, path: str) -
     finally:
         orphaned.cancel()
         await runner.cleanup()
+        # (The parent removes it too, unless it was killed.)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 async def _serve(app: web.Application, limits: ServerSettings, host: str, port: int,

@@ -16,7 +16,6 @@ fold workers count `folds`, `fold_seconds` and `summarizer_tokens`; the store's 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from time import perf_counter
@@ -140,39 +139,87 @@ class Metrics:
             if n:
                 self.usage_tokens.labels(provider, model, kind).inc(n)
 
-    def render(self, sibling: str | None = None) -> tuple[bytes, str]:
-        """The exposition text and its content type; `sibling`: another process's exposition (the
-        large-bodies process, gateway/offload.py), whose samples are added to this one's."""
-        if not sibling:
+    def render(self, sibling: SiblingSamples | None = None) -> tuple[bytes, str]:
+        """The exposition text and its content type, with another process's samples added (the
+        offload process, gateway/offload.py)."""
+        if sibling is None or not sibling.families:
             return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
         return generate_latest(_Merged(self.registry, sibling)), CONTENT_TYPE_PLAIN_0_0_4
 
 
-class _Merged:
-    """A registry's families with another process's added: every sample summed by name and labels
-    (counters, histograms' buckets, sums and counts, the pending gauge)."""
+_Key = tuple[str, str, tuple[tuple[str, str], ...]]  # family, sample name, labels
 
-    def __init__(self, registry: CollectorRegistry, other: str) -> None:
+
+class SiblingSamples:
+    """Another process's samples, as this process adds them to its own: counters and histograms
+    keep what each earlier incarnation of it had counted (a restart must not make a counter go
+    down), gauges are its latest value; its `gc_pause` histogram is left out (it times this
+    process's loop) and so are `_created` samples (the text format gives them families of their own)."""
+
+    LEFT_OUT = ("gateway_gc_pause_seconds",)
+
+    def __init__(self) -> None:
+        self.families: dict[str, tuple[str, str, str]] = {}  # name -> (type, help, unit)
+        self._pid: int | None = None
+        self._last: dict[_Key, float] = {}
+        self._before: dict[_Key, float] = {}  # what its earlier incarnations counted
+
+    def update(self, pid: int, text: str) -> None:
+        values: dict[_Key, float] = {}
+        try:
+            for f in text_string_to_metric_families(text):
+                if f.name.endswith("_created") or f.name in self.LEFT_OUT:
+                    continue
+                self.families[f.name] = (f.type, f.documentation, f.unit)
+                for sample in f.samples:
+                    if not sample.name.endswith("_created"):
+                        values[(f.name, sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        except ValueError:
+            return  # an exposition that does not parse changes nothing
+        if self._pid is not None and pid != self._pid:
+            for key, value in self._last.items():
+                if self.families[key[0]][0] != "gauge":
+                    self._before[key] = self._before.get(key, 0.0) + value
+        self._pid, self._last = pid, values
+
+    def values(self) -> dict[_Key, float]:
+        out = dict(self._before)
+        for key, value in self._last.items():
+            out[key] = out.get(key, 0.0) + value
+        return out
+
+
+class _Merged:
+    """A registry's families with another process's samples added, by name and labels."""
+
+    def __init__(self, registry: CollectorRegistry, sibling: SiblingSamples) -> None:
         self.registry = registry
-        self.other = other
+        self.sibling = sibling
 
     def collect(self) -> Iterator[Metric]:
-        theirs: dict[str, Metric] = {}
-        with contextlib.suppress(ValueError):  # an exposition that does not parse adds nothing
-            # (The text format gives a counter's `_created` samples a family of their own: this
-            # process's are kept.)
-            theirs = {f.name: f for f in text_string_to_metric_families(self.other) if not f.name.endswith("_created")}
+        theirs: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+        for (family_name, name, labels), value in self.sibling.values().items():
+            theirs.setdefault(family_name, {})[(name, labels)] = value
         for family in self.registry.collect():
-            other = theirs.pop(family.name, None)
-            if other is None or other.type != family.type:
+            extra = theirs.pop(family.name, None)
+            if extra is None or self.sibling.families[family.name][0] != family.type:
                 yield family
                 continue
             values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-            for sample in (*family.samples, *(s for s in other.samples if not s.name.endswith("_created"))):
+            for sample in family.samples:
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 values[key] = values.get(key, 0.0) + sample.value
-            merged = Metric(family.name, family.documentation, family.type, family.unit)
-            for (name, labels), value in values.items():
-                merged.add_sample(name, dict(labels), value)
-            yield merged
-        yield from theirs.values()
+            for key, value in extra.items():
+                values[key] = values.get(key, 0.0) + value
+            yield _family(family.name, family.documentation, family.type, family.unit, values)
+        for name, extra in theirs.items():
+            typ, doc, unit = self.sibling.families[name]
+            yield _family(name, doc, typ, unit, extra)
+
+
+def _family(name: str, doc: str, typ: str, unit: str,
+            values: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> Metric:
+    family = Metric(name, doc, typ, unit)
+    for (sample, labels), value in values.items():
+        family.add_sample(sample, dict(labels), value)
+    return family

@@ -31,8 +31,11 @@ from collections.abc import AsyncIterator, Sequence
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
+from gateway import paths
 from gateway.logs import get_logger
+from gateway.metrics import SiblingSamples
 
 log = get_logger("gateway.offload")
 
@@ -44,7 +47,7 @@ _HOP = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer
 _OWN = frozenset(("date", "server"))
 _RESTART_DELAYS = (0.5, 2.0, 10.0)  # seconds before each restart after a crash (then the last, again)
 _READY_SECONDS = 60.0
-NICE = 10
+NICE = 10  # the sibling's niceness (it sets it itself: cli._serve_offloaded)
 
 
 class NotRelayed(Exception):
@@ -60,39 +63,46 @@ class NotRelayed(Exception):
 class Offload:
     """The sibling process and the relay to it."""
 
-    def __init__(self, threshold: int, max_body: int, config: str | None, grace: float) -> None:
+    def __init__(self, threshold: int, max_body: int, config: str | None, grace: float,
+                 log_format: str | None = None) -> None:
         self.threshold = threshold
         self.max_body = max_body
         self.config = config
+        self.log_format = log_format
         self.grace = grace
         self.dir = tempfile.mkdtemp(prefix="gateway-offload-")  # 0700: only this user may connect
         self.path = os.path.join(self.dir, "gateway.sock")
         self.proc: asyncio.subprocess.Process | None = None
         self.session: aiohttp.ClientSession | None = None
         self.ready = False
+        self.samples = SiblingSamples()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
 
     # -- which requests --------------------------------------------------------------------------
 
     def wants(self, request: web.Request) -> bool:
-        """A body of a declared length over the threshold (and within max_body_bytes: a larger one is
-        refused here, unread). Chunked bodies are measured as they arrive (`take`)."""
+        """A body over the threshold, of a declared length (within max_body_bytes: a larger one is
+        refused here, unread) or chunked (measured as it arrives: `take`), on a path that does not
+        climb above the root (refused here too)."""
+        if not self.ready or not request.raw_path.startswith("/") or paths.canonical(request.raw_path) is None:
+            return False
         length = request.content_length
-        return self.ready and length is not None and self.threshold < length <= self.max_body
-
-    def chunked(self, request: web.Request) -> bool:
-        return self.ready and request.content_length is None and request.body_exists
+        if length is None:
+            return request.body_exists
+        return self.threshold < length <= self.max_body
 
     # -- the sibling's lifetime ------------------------------------------------------------------
 
     def argv(self) -> list[str]:
         args = [sys.executable, "-m", "gateway", "serve", "--offload-socket", self.path]
+        if self.log_format:
+            args += ["--log-format", self.log_format]
         return args + (["--config", self.config] if self.config else [])
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(self.path, limit=0, force_close=False),
+            connector=aiohttp.UnixConnector(self.path, limit=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
             # The memory path's x-gateway-* headers can be long; the client's limits are the listener's.
@@ -102,14 +112,19 @@ class Offload:
     async def _supervise(self) -> None:
         failures = 0
         while not self._closing:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)  # (a tmp cleaner may have taken it)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv(), stdin=asyncio.subprocess.PIPE, start_new_session=True, preexec_fn=_lower_priority)
+            self.proc = await asyncio.create_subprocess_exec(*self.argv(), stdin=asyncio.subprocess.PIPE,
+                                                             start_new_session=True)
             if await self._wait_ready():
                 self.ready = True
                 failures = 0
                 log.info("offload.ready", pid=self.proc.pid, threshold_bytes=self.threshold)
+            elif self.proc.returncode is None:
+                log.error("offload.not_ready", seconds=_READY_SECONDS, message="the offload process never "
+                          "answered; it is restarted")
+                self.kill()
             code = await self.proc.wait()
             self.ready = False
             if self._closing:
@@ -117,7 +132,7 @@ class Offload:
             delay = _RESTART_DELAYS[min(failures, len(_RESTART_DELAYS) - 1)]
             failures += 1
             log.error("offload.exited", code=code, restart_in_s=delay,
-                      message="the large-bodies process exited; large requests are served here until it is back")
+                      message="the offload process exited; large requests are served here until it is back")
             await asyncio.sleep(delay)
 
     async def _wait_ready(self) -> bool:
@@ -130,6 +145,13 @@ class Offload:
                         return True
             await asyncio.sleep(0.1)
         return False
+
+    def kill(self) -> None:
+        """Stop the sibling at once (the supervisor starts another)."""
+        self.ready = False
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
 
     async def close(self) -> None:
         """Stop the sibling after what it is serving (SIGTERM: its own grace period), then clean up."""
@@ -153,17 +175,15 @@ class Offload:
             await self.session.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None and self.proc.returncode is None else None
-
     # -- the relay -------------------------------------------------------------------------------
 
-    async def take(self, request: web.Request, seconds: float) -> list[bytes]:
-        """A chunked body read until it passes the threshold or ends: the caller relays these chunks
-        with the rest when they are over the threshold, else serves the request here with them."""
+    async def take(self, request: web.Request, deadline: float) -> list[bytes]:
+        """A chunked body read until it passes the threshold or ends (by `deadline`, loop time): the
+        caller relays these chunks with the rest when they are over the threshold, else serves the
+        request here with them."""
         chunks: list[bytes] = []
         size = 0
-        async with asyncio.timeout(seconds):
+        async with asyncio.timeout_at(deadline):
             while size <= self.threshold:
                 chunk = await request.content.readany()
                 if not chunk:
@@ -172,45 +192,77 @@ class Offload:
                 size += len(chunk)
         return chunks
 
-    async def relay(self, request: web.Request, prelude: Sequence[bytes] = ()) -> web.StreamResponse:
+    async def relay(self, request: web.Request, prelude: Sequence[bytes], deadline: float) -> web.StreamResponse:
         """The sibling's answer to `request`, streamed back as it comes. Raises NotRelayed when the
-        sibling fails before its answer begins."""
+        sibling fails before its answer begins, TimeoutError when the body is not in by `deadline`."""
         assert self.session is not None
         read = list(prelude)  # every chunk taken from the client, kept until the answer begins
-        size = sum(map(len, read))
+        # The client's body is read by a task of this call's, not by aiohttp's writer, so that on a
+        # failure it is stopped and what it read is known: the request is then served here from it.
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
+        expired = False
+        relaying = asyncio.current_task()
+
+        async def pump() -> None:
+            nonlocal expired
+            size = sum(map(len, read))
+            try:
+                async with asyncio.timeout_at(deadline):
+                    while chunk := await request.content.readany():
+                        read.append(chunk)
+                        size += len(chunk)
+                        await queue.put(chunk)
+                        if size > self.max_body:
+                            break  # the sibling answers its 413 for this much; the rest is never read
+            except TimeoutError:
+                expired = True
+                if relaying is not None:
+                    relaying.cancel()
+                return
+            await queue.put(None)
 
         async def body() -> AsyncIterator[bytes]:
-            nonlocal size
             for chunk in prelude:
                 yield chunk
-            while chunk := await request.content.readany():
-                read.append(chunk)
-                size += len(chunk)
-                yield chunk
-                if size > self.max_body:
-                    return  # the sibling answers its 413 for this much; the rest is never read
+            while (more := await queue.get()) is not None:
+                yield more
 
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
+        reader = asyncio.get_running_loop().create_task(pump())
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _hop(request))
         if request.content_length is not None:
             headers["Content-Length"] = str(request.content_length)
+        url = URL("http://gateway" + request.raw_path, encoded=True)
         try:
-            up = await self.session.request(request.method, "http://gateway" + request.raw_path, headers=headers,
-                                            data=body(), skip_auto_headers=_AUTO, allow_redirects=False)
+            up = await self.session.request(request.method, url, headers=headers, data=body(),
+                                            skip_auto_headers=_AUTO, allow_redirects=False)
         except aiohttp.ClientError as exc:
+            await _stopped(reader)
+            if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, FileNotFoundError):
+                self.kill()  # its socket is gone (a tmp cleaner?): a new process binds a new one
             raise NotRelayed(str(exc) or type(exc).__name__, read) from exc
-        read = []
+        except asyncio.CancelledError:
+            await _stopped(reader)
+            if expired and relaying is not None:
+                relaying.uncancel()
+                raise TimeoutError from None
+            raise
+        # The sibling answers once it has read the body (or refused it): what the client still
+        # sends is not needed, and the timer must not cut the answer.
+        await _stopped(reader)
         async with up:
-            response = web.StreamResponse(status=up.status, reason=up.reason)
-            for name, value in up.headers.items():
-                low = name.lower()
-                if low not in _HOP and low not in _OWN:
-                    response.headers.add(name, value)
-            if up.content_length is not None:
-                response.content_length = up.content_length
-            await response.prepare(request)
+            return await self._answer(request, up)
+
+    async def _answer(self, request: web.Request, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        response = web.StreamResponse(status=up.status, reason=up.reason)
+        for name, value in up.headers.items():
+            if name.lower() not in _HOP and name.lower() not in _OWN:
+                response.headers.add(name, value)
+        if up.content_length is not None:
+            response.content_length = up.content_length
+        await response.prepare(request)
+        while True:
             try:
-                async for chunk in up.content.iter_any():
-                    await response.write(chunk)
+                chunk = await up.content.readany()
             except aiohttp.ClientError as exc:
                 # The sibling died mid-answer: the client sees its connection cut, as it would have
                 # had this process died (the turn, if recorded, is in the store).
@@ -218,25 +270,34 @@ class Offload:
                 if request.transport is not None:
                     request.transport.close()
                 return response
-            await response.write_eof()
+            if not chunk:
+                break
+            await response.write(chunk)
+        await response.write_eof()
         return response
 
-    async def metrics(self) -> str | None:
-        """The sibling's /metrics text (None: not running or not answering within a second)."""
-        if not self.ready or self.session is None:
-            return None
-        try:
-            async with asyncio.timeout(1.0), self.session.get("http://gateway/metrics") as r:
-                return await r.text() if r.status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return None
+    async def metrics(self) -> SiblingSamples:
+        """The sibling's samples, refreshed from its /metrics when it answers within a second."""
+        if self.ready and self.session is not None and self.proc is not None:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with asyncio.timeout(1.0), self.session.get("http://gateway/metrics") as r:
+                    if r.status == 200:
+                        self.samples.update(self.proc.pid, await r.text())
+        return self.samples
 
 
-def _lower_priority() -> None:
-    """The sibling yields the CPU to the serving process when both want it (its own fold processes
-    run lower still: foldcpu.py)."""
-    with contextlib.suppress(OSError):
-        os.nice(NICE)
+def _hop(request: web.Request) -> frozenset[str]:
+    """The request's headers that are about this hop: the fixed set and those its Connection names."""
+    named = request.headers.getall("Connection", ())
+    if not named:
+        return _HOP
+    return _HOP | {n.strip().lower() for v in named for n in v.split(",") if n.strip()}
+
+
+async def _stopped(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 # Headers aiohttp's client would add on its own: the client's own (or none) go through instead.

@@ -111,8 +111,10 @@ RECORD = web.RequestKey("gateway_record", Record)
 # Request bodies of more bytes are joined in a thread (read_body).
 JOIN_OFF_LOOP = 1 << 20
 TAP: web.RequestKey[UsageTap | None] = web.RequestKey("gateway_usage_tap")
-# Body chunks already read from the client (gateway/offload.py measured a chunked body): read first.
+# Body chunks already read from the client (gateway/offload.py measured a chunked body, or its
+# process failed): read first, and the body's deadline (loop time) that then still holds.
 PRELUDE: web.RequestKey[list[bytes]] = web.RequestKey("gateway_body_prelude")
+BODY_DEADLINE: web.RequestKey[float] = web.RequestKey("gateway_body_deadline")
 
 async def read_body(request: web.Request, seconds: float, max_bytes: int) -> bytes:
     """The request body; over `max_bytes` (server.max_body_bytes) → aiohttp's 413, slower than
@@ -123,8 +125,9 @@ async def read_body(request: web.Request, seconds: float, max_bytes: int) -> byt
     size = sum(map(len, chunks))
     if size > max_bytes:
         raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=size)
+    deadline = request.get(BODY_DEADLINE)
     try:
-        async with asyncio.timeout(seconds):
+        async with asyncio.timeout_at(deadline) if deadline is not None else asyncio.timeout(seconds):
             while chunk := await request.content.readany():
                 size += len(chunk)
                 if size > max_bytes:

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, SiblingSamples
 from gateway.testing import FakeUpstream
 from tests.conftest import RedisProcess, free_port
 
@@ -104,9 +104,11 @@ def _history(n: int, size: int) -> list[dict[str, str]]:
             for i in range(n)]
 
 
-async def _stored_user_turns(http: aiohttp.ClientSession, url: str, conv: str) -> list[str]:
+async def _stored_user_turns(http: aiohttp.ClientSession, url: str, conv: str) -> list[str] | None:
     async with http.get(f"{url}/gateway/conversations/{conv}/messages?limit=1000",
                         headers={"Authorization": f"Bearer {KEY}"}) as r:
+        if r.status == 404:
+            return None  # (not recorded yet: that happens after the answer)
         assert r.status == 200, await r.text()
         page = await r.json()
     return [d["message"]["content"] for d in page["data"] if d["role"] == "user"]
@@ -129,11 +131,12 @@ async def _eventually(check: Any, seconds: float = 20.0) -> Any:
 
 
 def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (its parent was killed)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return True
-    return False
+    return state in ("Z", "X")
 
 
 async def test_a_large_body_is_served_by_the_offload_process_and_remembered(tmp_path: Path,
@@ -168,30 +171,63 @@ async def test_a_large_body_is_served_by_the_offload_process_and_remembered(tmp_
 
 async def test_a_chunked_body_is_measured_as_it_arrives(tmp_path: Path, redis: RedisProcess) -> None:
     """A body without Content-Length goes to the offload process once it passes the threshold; a short
-    one is served here, its first chunks not lost to the measuring."""
+    one is served here, its first chunks (read to measure it) forwarded first and in order."""
     async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
             aiohttp.ClientSession() as http:
-        for conv, n in (("chunked-big", 11), ("chunked-small", 3)):
-            raw = json.dumps({"model": "gpt-4o", "messages": _history(n, 12_000 if n > 3 else 100)}).encode()
+        for conv, n, size, step in (("chunked-big", 11, 12_000, 10_000), ("chunked-small", 5, 300, 97)):
+            sent = _history(n, size)
+            raw = json.dumps({"model": "gpt-4o", "messages": sent}).encode()
 
-            async def body(raw: bytes = raw) -> AsyncIterator[bytes]:
-                for i in range(0, len(raw), 10_000):
-                    yield raw[i:i + 10_000]
+            async def body(raw: bytes = raw, step: int = step) -> AsyncIterator[bytes]:
+                for i in range(0, len(raw), step):
+                    yield raw[i:i + step]
+                    await asyncio.sleep(0)
 
             async with http.post(gw.url + "/v1/chat/completions", data=body(),
                                  headers={"Authorization": f"Bearer {KEY}", "X-Conversation-Id": conv,
                                           "Content-Type": "application/json"}) as r:
                 assert r.status == 200, await r.text()
-                assert r.headers.get("Transfer-Encoding") is None or "Content-Length" not in r.headers
-            assert fake.requests[-1].body["messages"][-1]["content"].startswith(f"message {n - 1}:")
+            assert fake.requests[-1].body["messages"] == sent
         assert await _eventually(lambda: (gw.requests("chunked-big") and gw.requests("chunked-small")))
         assert gw.requests("chunked-big")[0].get("process_role") == "offload"
         assert gw.requests("chunked-small")[0].get("process_role") is None
 
 
+async def test_an_offload_process_killed_mid_upload_loses_nothing(tmp_path: Path, redis: RedisProcess) -> None:
+    """SIGKILL to the offload process while a large body is still arriving: the gateway serves the
+    request itself, from the part already relayed and the rest, and stores the turn."""
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+            aiohttp.ClientSession() as http:
+        pid = await gw.offload_pid()
+        sent = _history(31, 12_000)
+        want = [m["content"] for m in sent if m["role"] == "user"]
+        raw = json.dumps({"model": "gpt-4o", "messages": sent}).encode()
+
+        async def body() -> AsyncIterator[bytes]:
+            for i in range(0, len(raw), 16_384):
+                if i >= len(raw) // 2 and not _exited(pid):
+                    os.kill(pid, signal.SIGKILL)
+                    await _eventually(lambda: _exited(pid))
+                yield raw[i:i + 16_384]
+                await asyncio.sleep(0.005)
+
+        for length in (True, False):  # declared, then chunked
+            headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": f"mid-{length}",
+                       "Content-Type": "application/json"}
+            if length:
+                headers["Content-Length"] = str(len(raw))
+            async with http.post(gw.url + "/v1/chat/completions", data=body(), headers=headers) as r:
+                assert r.status == 200, await r.text()
+            assert fake.requests[-1].body["messages"] == sent
+            assert await _eventually(lambda c=f"mid-{length}": _stored_is(http, gw.url, c, want))
+            pid = await gw.offload_pid(after=1 if length else 2)
+        assert [ln["event"] for ln in gw.lines() if ln.get("event") == "offload.failed"]
+
+
 async def test_metrics_count_what_the_offload_process_served(tmp_path: Path, redis: RedisProcess) -> None:
     """/metrics adds the offload process's samples to the gateway's own: one large and one small
-    request count two, and the exposition stays valid (one family per name)."""
+    request count two, before and after the offload process is replaced, and the exposition stays
+    valid (one family per name)."""
     async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
             aiohttp.ClientSession() as http:
         headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "m"}
@@ -209,6 +245,11 @@ async def test_metrics_count_what_the_offload_process_served(tmp_path: Path, red
                                if s.name == "gateway_requests_total" and s.labels["route"] == "/v1/chat/completions")
 
         assert await _eventually(lambda: total_is(2.0))
+        # A restart of the offload process does not take back what it had counted.
+        os.kill(await gw.offload_pid(), signal.SIGKILL)
+        assert await total_is(2.0)
+        await gw.offload_pid(after=1)
+        assert await total_is(2.0)
 
 
 async def test_conversations_the_offload_process_serves_are_folded_by_the_gateway(tmp_path: Path,
@@ -282,7 +323,9 @@ def test_merged_metrics_add_every_sample_once() -> None:
     ours.overhead.observe(0.0002)
     theirs.overhead.observe(0.2)
     theirs.unrecorded_pending.set(4)
-    text, _ = ours.render(theirs.render()[0].decode())
+    sibling = SiblingSamples()
+    sibling.update(1, theirs.render()[0].decode())
+    text, _ = ours.render(sibling)
     families = list(text_string_to_metric_families(text.decode()))
     assert len({f.name for f in families}) == len(families)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
@@ -295,4 +338,13 @@ def test_merged_metrics_add_every_sample_once() -> None:
     assert samples[("gateway_overhead_seconds_bucket", (("le", "0.00025"),))] == 1
     assert samples[("gateway_overhead_seconds_bucket", (("le", "+Inf"),))] == 2
     assert samples[("gateway_unrecorded_pending", ())] == 4
-    assert ours.render("not an exposition {")[0].startswith(b"# HELP")  # a garbled sibling adds nothing
+    # Restarted (another pid), counting from 0 again: what it had counted stays; gauges are its latest.
+    again = Metrics()
+    again.requests.labels("/v1/messages", "full", "200", "anthropic", "claude").inc()
+    sibling.update(2, again.render()[0].decode())
+    sibling.update(2, "not an exposition {")  # a garbled one changes nothing
+    text, _ = ours.render(sibling)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    assert samples[("gateway_requests_total", (*base, ("status", "200")))] == 6
+    assert samples[("gateway_unrecorded_pending", ())] == 0
