@@ -155,8 +155,12 @@ async def _offloaded(request: web.Request, offload: Offload) -> web.StreamRespon
     deadline = request[BODY_DEADLINE] = asyncio.get_running_loop().time() + seconds
     try:
         prelude: list[bytes] = []
-        if request.content_length is None:
-            prelude = await offload.take(request, deadline)
+        if offload.declared(request) is None:
+            try:
+                prelude = await offload.take(request, deadline)
+            except asyncio.CancelledError:
+                request[RECORD].route = "offload"  # the client left before the sibling heard of it: its 499
+                raise
             if sum(map(len, prelude)) <= offload.threshold:
                 request[PRELUDE] = prelude
                 return None

@@ -43,10 +43,12 @@ PROCESS_LABEL = "offload"  # the sibling's log lines carry process_role=<this>
 # Headers about this hop only (RFC 9110 7.6.1), and ones each side sets for itself. `Expect`: this
 # process has already answered `100 Continue` to the client.
 _HOP = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-                  "upgrade", "expect", "content-length"))
+                  "upgrade", "expect", "content-length", "content-encoding"))
 _OWN = frozenset(("date", "server"))
 _RESTART_DELAYS = (0.5, 2.0, 10.0)  # seconds before each restart after a crash (then the last, again)
 _READY_SECONDS = 60.0
+_WATCH_SECONDS = 5.0  # /healthz asked this often, given this long to answer
+_WATCH_MISSES = 3  # unanswered in a row: the sibling is killed and another started
 NICE = 10  # the sibling's niceness (it sets it itself: cli._serve_offloaded)
 
 
@@ -87,10 +89,16 @@ class Offload:
         climb above the root (refused here too)."""
         if not self.ready or not request.raw_path.startswith("/") or paths.canonical(request.raw_path) is None:
             return False
-        length = request.content_length
+        length = self.declared(request)
         if length is None:
             return request.body_exists
         return self.threshold < length <= self.max_body
+
+    @staticmethod
+    def declared(request: web.Request) -> int | None:
+        """The body's length as this process reads it, when the head says it: not for a compressed
+        body (aiohttp decodes it as it reads; its Content-Length is the compressed size)."""
+        return None if "Content-Encoding" in request.headers else request.content_length
 
     # -- the sibling's lifetime ------------------------------------------------------------------
 
@@ -121,10 +129,11 @@ class Offload:
                 self.ready = True
                 failures = 0
                 log.info("offload.ready", pid=self.proc.pid, threshold_bytes=self.threshold)
+                await self._watch()
             elif self.proc.returncode is None:
                 log.error("offload.not_ready", seconds=_READY_SECONDS, message="the offload process never "
                           "answered; it is restarted")
-                self.kill()
+            self.kill()  # (a no-op when it has exited)
             code = await self.proc.wait()
             self.ready = False
             if self._closing:
@@ -145,6 +154,26 @@ class Offload:
                         return True
             await asyncio.sleep(0.1)
         return False
+
+    async def _watch(self) -> None:
+        """Until the sibling exits or stops answering `/healthz` (stopped, deadlocked): large requests
+        would wait on it for ever."""
+        assert self.session is not None and self.proc is not None
+        missed = 0
+        while self.proc.returncode is None and missed < _WATCH_MISSES:
+            try:
+                await asyncio.wait_for(self.proc.wait(), _WATCH_SECONDS)
+                return
+            except TimeoutError:
+                pass
+            try:
+                async with asyncio.timeout(_WATCH_SECONDS), self.session.get("http://gateway/healthz") as r:
+                    missed = 0 if r.status == 200 else missed + 1
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                missed += 1
+        if missed:
+            log.error("offload.unresponsive", seconds=_WATCH_SECONDS * missed * 2,
+                      message="the offload process stopped answering; it is restarted")
 
     def kill(self) -> None:
         """Stop the sibling at once (the supervisor starts another)."""
@@ -228,9 +257,11 @@ class Offload:
                 yield more
 
         reader = asyncio.get_running_loop().create_task(pump())
+        # (A compressed body goes on decoded, as aiohttp reads it: chunked, without its Content-Encoding.)
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _hop(request))
-        if request.content_length is not None:
-            headers["Content-Length"] = str(request.content_length)
+        length = self.declared(request)
+        if length is not None:
+            headers["Content-Length"] = str(length)
         url = URL("http://gateway" + request.raw_path, encoded=True)
         try:
             up = await self.session.request(request.method, url, headers=headers, data=body(),
@@ -259,21 +290,24 @@ class Offload:
                 response.headers.add(name, value)
         if up.content_length is not None:
             response.content_length = up.content_length
-        await response.prepare(request)
-        while True:
-            try:
-                chunk = await up.content.readany()
-            except aiohttp.ClientError as exc:
-                # The sibling died mid-answer: the client sees its connection cut, as it would have
-                # had this process died (the turn, if recorded, is in the store).
-                log.error("offload.cut", error=str(exc) or type(exc).__name__)
-                if request.transport is not None:
-                    request.transport.close()
-                return response
-            if not chunk:
-                break
-            await response.write(chunk)
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            while True:
+                try:
+                    chunk = await up.content.readany()
+                except aiohttp.ClientError as exc:
+                    # The sibling died mid-answer: the client sees its connection cut, as it would
+                    # have had this process died (the turn, if recorded, is in the store).
+                    log.error("offload.cut", error=str(exc) or type(exc).__name__)
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                if not chunk:
+                    break
+                await response.write(chunk)
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left: its handler is cancelled, and the sibling's with it
         return response
 
     async def metrics(self) -> SiblingSamples:

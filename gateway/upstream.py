@@ -22,9 +22,12 @@ HOP_BY_HOP = frozenset({
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
 # Request headers the gateway sets itself or must not pass on. Accept-Encoding: the gateway reads
-# the stream it relays, so it asks upstream for identity. Credentials are set per mode by `auth`.
-# X-Gateway-Hop: the proxy sets it anew, with its own id appended (loop detection).
-_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-gateway-key", "cookie", "x-gateway-hop"}
+# the stream it relays, so it asks upstream for identity. Content-Encoding: aiohttp decodes a
+# compressed request body as it reads it, and the body forwarded is the decoded one (or a rewrite).
+# Credentials are set per mode by `auth`. X-Gateway-Hop: the proxy sets it anew, with its own id
+# appended (loop detection).
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "content-encoding", "accept-encoding", "x-gateway-key",
+                              "cookie", "x-gateway-hop"}
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 # Response headers aiohttp recomputes for the body it sends. Content-Encoding stays: the transport
 # removes it when it decoded the body, and a body it could not decode goes out with its encoding.

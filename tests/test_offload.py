@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import inspect
 import json
 import os
@@ -191,6 +192,25 @@ async def test_a_chunked_body_is_measured_as_it_arrives(tmp_path: Path, redis: R
         assert await _eventually(lambda: (gw.requests("chunked-big") and gw.requests("chunked-small")))
         assert gw.requests("chunked-big")[0].get("process_role") == "offload"
         assert gw.requests("chunked-small")[0].get("process_role") is None
+
+
+async def test_compressed_bodies_go_on_decoded(tmp_path: Path, redis: RedisProcess) -> None:
+    """A gzip request body (aiohttp decodes it as it reads) reaches the upstream decoded and without
+    its Content-Encoding, relayed (over the threshold once decoded, though smaller compressed) or not."""
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+            aiohttp.ClientSession() as http:
+        for conv, n in (("gz-big", 11), ("gz-small", 3)):
+            sent = _history(n, 12_000)  # repetitive: 130 KB compresses to ~2 KB
+            raw = gzip.compress(json.dumps({"model": "gpt-4o", "messages": sent}).encode())
+            async with http.post(gw.url + "/v1/chat/completions", data=raw,
+                                 headers={"Authorization": f"Bearer {KEY}", "X-Conversation-Id": conv,
+                                          "Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+                assert r.status == 200, await r.text()
+            assert fake.requests[-1].body["messages"] == sent
+            assert "content-encoding" not in {k.lower() for k in fake.requests[-1].headers}
+        assert await _eventually(lambda: (gw.requests("gz-big") and gw.requests("gz-small")))
+        assert gw.requests("gz-big")[0].get("process_role") == "offload"
+        assert gw.requests("gz-small")[0].get("process_role") is None
 
 
 async def test_an_offload_process_killed_mid_upload_loses_nothing(tmp_path: Path, redis: RedisProcess) -> None:
