@@ -41,7 +41,8 @@ log = get_logger("gateway.offload")
 
 PROCESS_LABEL = "offload"  # the sibling's log lines carry process_role=<this>
 # Headers about this hop only (RFC 9110 7.6.1), and ones each side sets for itself. `Expect`: this
-# process has already answered `100 Continue` to the client.
+# process has already answered `100 Continue` to the client. `Content-Encoding`: aiohttp has decoded
+# the body this process relays.
 _HOP = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
                   "upgrade", "expect", "content-length", "content-encoding"))
 _OWN = frozenset(("date", "server"))
