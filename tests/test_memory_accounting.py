@@ -281,9 +281,9 @@ async def test_pictures_are_hashed_and_stored_off_the_event_loop(redis_url: str,
             where["hash"].append(threading.current_thread() is threading.main_thread())
         return real_hash(dialect, raw)
 
-    def args_spy(turns: Any) -> Any:
+    def args_spy(turns: Any, *rest: Any) -> Any:
         where["record"].append(threading.current_thread() is threading.main_thread())
-        return real_args(turns)
+        return real_args(turns, *rest)
 
     monkeypatch.setattr(gateway.caches, "content_hash", hash_spy)
     monkeypatch.setattr(gateway.store, "_turn_args", args_spy)
