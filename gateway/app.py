@@ -46,7 +46,7 @@ LOG: web.AppKey[BoundLogger] = web.AppKey("log")
 ACTIVITY = web.AppKey("activity", Activity)
 # The in-process fold workers (None: none run here), with the processes their fold CPU runs in.
 FOLDS: web.AppKey[WorkerPool | None] = web.AppKey("folds")
-# The large-bodies process (gateway/offload.py), set by `gateway serve` on a shared store.
+# The offload process (gateway/offload.py), set by `gateway serve` on a shared store.
 OFFLOAD: web.AppKey[Offload | None] = web.AppKey("offload")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -239,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="listen address (default: server.host, 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default: server.port, 8080)")
     s.add_argument("--log-format", choices=("json", "console"), help="default: server.log_format")
-    # Internal: what `gateway serve` starts its large-bodies process with (gateway/offload.py).
+    # Internal: what `gateway serve` starts its offload process with (gateway/offload.py).
     s.add_argument("--offload-socket", help=argparse.SUPPRESS)
     s.set_defaults(run=serve)
 

@@ -11,6 +11,7 @@ the memory path counts tokens and cost through `observe_tokens` (once, when it p
 fold workers count `folds`, `fold_seconds` and `summarizer_tokens`; the store's callers count
 `store_errors`; the memory path's retry queue (backlog.py) counts `unrecorded` and sets
 `unrecorded_pending`; `gc_pauses` times the process's garbage collections while an app runs.
+`gateway serve`'s /metrics adds the offload process's samples to its own (`SiblingSamples`).
 """
 
 from __future__ import annotations
