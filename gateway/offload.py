@@ -230,7 +230,7 @@ class Offload:
         # The client's body is read by a task of this call's, not by aiohttp's writer, so that on a
         # failure it is stopped and what it read is known: the request is then served here from it.
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
-        expired = False
+        expired = answered = False
         relaying = asyncio.current_task()
 
         async def pump() -> None:
@@ -245,9 +245,10 @@ class Offload:
                         if size > self.max_body:
                             break  # the sibling answers its 413 for this much; the rest is never read
             except TimeoutError:
-                expired = True
-                if relaying is not None:
-                    relaying.cancel()
+                if not answered:
+                    expired = True
+                    if relaying is not None:
+                        relaying.cancel()
                 return
             await queue.put(None)
 
@@ -280,7 +281,9 @@ class Offload:
             raise
         # The sibling answers once it has read the body (or refused it): what the client still
         # sends is not needed, and the timer must not cut the answer.
+        answered = True
         await _stopped(reader)
+        read.clear()  # (a long stream need not hold the body)
         async with up:
             return await self._answer(request, up)
 
