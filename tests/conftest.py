@@ -61,6 +61,17 @@ class RedisProcess:
             self.proc.wait(timeout=10)
 
 
+@pytest.fixture
+def redis_process(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A redis-server of this test's own (not persistent), which the test may kill and restart."""
+    server = RedisProcess(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
     """URL of a redis-server started for this test session."""

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import RedisProcess
 from memory_helpers import KEY, Chat, Gateway, memory_gateway, plain, reply_text, user_text
-
-
-@pytest.fixture
-def redis_process(tmp_path: Path) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 async def _store_errors(g: Gateway) -> float:

@@ -14,13 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,16 +29,6 @@ from tests.conftest import RedisProcess, free_port
 
 KEY = "sk-offload-client-0001"
 THRESHOLD = 64 * 1024
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    r = RedisProcess(tmp_path)
-    r.start()
-    try:
-        yield r
-    finally:
-        r.kill()
 
 
 class Gateway:
@@ -141,11 +130,11 @@ def _exited(pid: int) -> bool:
 
 
 async def test_a_large_body_is_served_by_the_offload_process_and_remembered(tmp_path: Path,
-                                                                            redis: RedisProcess) -> None:
+                                                                            redis_process: RedisProcess) -> None:
     """A body over offload_body_bytes, sent with the official SDK, streamed and not: the offload
     process answers it (its log line says so), the answer arrives whole, and the turn is stored;
     a small request on the same gateway is served by the gateway's own process."""
-    async with FakeUpstream(reply="Noted, all of it.") as fake, gateway(tmp_path, redis, fake) as gw:
+    async with FakeUpstream(reply="Noted, all of it.") as fake, gateway(tmp_path, redis_process, fake) as gw:
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
         history = _history(11, 12_000)  # ~130 KB of JSON
         big = await client.chat.completions.create(model="gpt-4o", messages=history,  # type: ignore[arg-type]
@@ -170,10 +159,10 @@ async def test_a_large_body_is_served_by_the_offload_process_and_remembered(tmp_
         assert [ln.get("process_role") for ln in gw.requests("small")] == [None]
 
 
-async def test_a_chunked_body_is_measured_as_it_arrives(tmp_path: Path, redis: RedisProcess) -> None:
+async def test_a_chunked_body_is_measured_as_it_arrives(tmp_path: Path, redis_process: RedisProcess) -> None:
     """A body without Content-Length goes to the offload process once it passes the threshold; a short
     one is served here, its first chunks (read to measure it) forwarded first and in order."""
-    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw, \
             aiohttp.ClientSession() as http:
         for conv, n, size, step in (("chunked-big", 11, 12_000, 10_000), ("chunked-small", 5, 300, 97)):
             sent = _history(n, size)
@@ -194,10 +183,10 @@ async def test_a_chunked_body_is_measured_as_it_arrives(tmp_path: Path, redis: R
         assert gw.requests("chunked-small")[0].get("process_role") is None
 
 
-async def test_compressed_bodies_go_on_decoded(tmp_path: Path, redis: RedisProcess) -> None:
+async def test_compressed_bodies_go_on_decoded(tmp_path: Path, redis_process: RedisProcess) -> None:
     """A gzip request body (aiohttp decodes it as it reads) reaches the upstream decoded and without
     its Content-Encoding, relayed (over the threshold once decoded, though smaller compressed) or not."""
-    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw, \
             aiohttp.ClientSession() as http:
         for conv, n in (("gz-big", 11), ("gz-small", 3)):
             sent = _history(n, 12_000)  # repetitive: 130 KB compresses to ~2 KB
@@ -213,10 +202,10 @@ async def test_compressed_bodies_go_on_decoded(tmp_path: Path, redis: RedisProce
         assert gw.requests("gz-small")[0].get("process_role") is None
 
 
-async def test_an_offload_process_killed_mid_upload_loses_nothing(tmp_path: Path, redis: RedisProcess) -> None:
+async def test_an_offload_process_killed_mid_upload_loses_nothing(tmp_path: Path, redis_process: RedisProcess) -> None:
     """SIGKILL to the offload process while a large body is still arriving: the gateway serves the
     request itself, from the part already relayed and the rest, and stores the turn."""
-    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw, \
             aiohttp.ClientSession() as http:
         pid = await gw.offload_pid()
         sent = _history(31, 12_000)
@@ -244,11 +233,11 @@ async def test_an_offload_process_killed_mid_upload_loses_nothing(tmp_path: Path
         assert [ln["event"] for ln in gw.lines() if ln.get("event") == "offload.failed"]
 
 
-async def test_metrics_count_what_the_offload_process_served(tmp_path: Path, redis: RedisProcess) -> None:
+async def test_metrics_count_what_the_offload_process_served(tmp_path: Path, redis_process: RedisProcess) -> None:
     """/metrics adds the offload process's samples to the gateway's own: one large and one small
     request count two, before and after the offload process is replaced, and the exposition stays
     valid (one family per name)."""
-    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw, \
             aiohttp.ClientSession() as http:
         headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "m"}
         for n in (11, 1):
@@ -273,9 +262,9 @@ async def test_metrics_count_what_the_offload_process_served(tmp_path: Path, red
 
 
 async def test_conversations_the_offload_process_serves_are_folded_by_the_gateway(tmp_path: Path,
-                                                                                   redis: RedisProcess) -> None:
+                                                                                   redis_process: RedisProcess) -> None:
     """The offload process queues folds; the gateway's own workers run them (one set of workers)."""
-    async with FakeUpstream(reply="Noted.") as fake, gateway(tmp_path, redis, fake) as gw, \
+    async with FakeUpstream(reply="Noted.") as fake, gateway(tmp_path, redis_process, fake) as gw, \
             aiohttp.ClientSession() as http:
         messages = _history(9, 12_000)
         for i in range(3):
@@ -293,10 +282,10 @@ async def test_conversations_the_offload_process_serves_are_folded_by_the_gatewa
 
 
 async def test_a_killed_offload_process_is_replaced_and_no_request_fails(tmp_path: Path,
-                                                                         redis: RedisProcess) -> None:
+                                                                         redis_process: RedisProcess) -> None:
     """SIGKILL to the offload process: large requests are served by the gateway meanwhile (200, stored),
     and a new offload process takes over."""
-    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis, fake) as gw, \
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw, \
             aiohttp.ClientSession() as http:
         first = await gw.offload_pid()
         os.kill(first, signal.SIGKILL)
@@ -317,16 +306,16 @@ async def test_a_killed_offload_process_is_replaced_and_no_request_fails(tmp_pat
         assert any(ln.get("event") == "offload.exited" for ln in gw.lines())
 
 
-async def test_the_offload_process_leaves_with_the_gateway(tmp_path: Path, redis: RedisProcess) -> None:
+async def test_the_offload_process_leaves_with_the_gateway(tmp_path: Path, redis_process: RedisProcess) -> None:
     """SIGTERM: both exit 0; SIGKILL to the gateway: the offload process exits on its own."""
     async with FakeUpstream() as fake:
-        async with gateway(tmp_path, redis, fake) as gw:
+        async with gateway(tmp_path, redis_process, fake) as gw:
             pid = await gw.offload_pid()
             gw.proc.send_signal(signal.SIGTERM)
             assert gw.proc.wait(timeout=40) == 0
             assert await _eventually(lambda: (_exited(pid)))
         (tmp_path / "gw.log").unlink()
-        async with gateway(tmp_path, redis, fake) as gw:
+        async with gateway(tmp_path, redis_process, fake) as gw:
             pid = await gw.offload_pid()
             gw.proc.kill()
             gw.proc.wait()
