@@ -33,7 +33,6 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway import paths
 from gateway.logs import get_logger
 from gateway.metrics import SiblingSamples
 
@@ -86,9 +85,9 @@ class Offload:
 
     def wants(self, request: web.Request) -> bool:
         """A body over the threshold, of a declared length (within max_body_bytes: a larger one is
-        refused here, unread) or chunked (measured as it arrives: `take`), on a path that does not
-        climb above the root (refused here too)."""
-        if not self.ready or not request.raw_path.startswith("/") or paths.canonical(request.raw_path) is None:
+        refused here, unread) or chunked (measured as it arrives: `take`). The caller (app.edge) has
+        refused a path that climbs above the root; an absolute-form target is served here."""
+        if not self.ready or not request.raw_path.startswith("/"):
             return False
         length = self.declared(request)
         if length is None:
