@@ -161,7 +161,7 @@ async def main() -> None:
     p.add_argument("--settle", type=float, default=3.0, help="seconds polled after each answer (its fold)")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--no-offload", action="store_true",
-                   help="server.offload: false (one process serves every body and runs the folds)")
+                   help="server.offload: false (the gateway's own process serves every body)")
     args = p.parse_args()
     async with FakeUpstream(record=False) as fake:
         tmp = Path(tempfile.mkdtemp(prefix="gw-bigbody-"))
