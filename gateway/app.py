@@ -23,7 +23,7 @@ from gateway.dialects import dialect_for_path
 from gateway.logs import get_logger
 from gateway.memory import Memory
 from gateway.metrics import Metrics
-from gateway.offload import NotRelayed, Offload
+from gateway.offload import Called, NotRelayed, Offload
 from gateway.proxy import BODY_DEADLINE, PRELUDE, RECORD, GatewayError, MemoryHook, Proxy, Record
 from gateway.store import Store, open_store
 from gateway.summarizer import build_summarizer
@@ -169,6 +169,12 @@ async def _offloaded(request: web.Request, offload: Offload) -> web.StreamRespon
         request.app[LOG].warning("offload.failed", error=str(exc), message="served in this process")
         request[PRELUDE] = exc.prelude
         return None
+    except Called as exc:
+        request[RECORD].route = "offload"
+        request.app[LOG].error("offload.failed", error=str(exc), message="it had called the upstream: not sent again")
+        raise GatewayError(502, None, "the gateway process serving this request exited after sending it to the "
+                           "provider and before the answer came back; it was not sent again (the provider may "
+                           "have run it)") from None
     except TimeoutError:
         request[RECORD].route = "offload"  # (logged and counted here: no handler ran)
         raise GatewayError(408, None, f"the request body did not arrive within {seconds:g} s") from None

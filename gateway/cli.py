@@ -22,7 +22,7 @@ from gateway import demo, listener, logs, preflight, savings, worker
 from gateway import eval as evaluation
 from gateway.app import OFFLOAD, create_app
 from gateway.config import ConfigError, ServerSettings, Settings, load_settings, resolve_path
-from gateway.offload import NICE, PROCESS_LABEL, Offload
+from gateway.offload import MARKS, NICE, PROCESS_LABEL, Offload
 from gateway.preflight import redact_url
 from gateway.shutdown import log_draining
 
@@ -172,6 +172,7 @@ def _serve_offloaded(settings: Settings, path: str) -> int:
         os.nice(NICE)  # the serving process goes first when both want the CPU
     structlog.contextvars.bind_contextvars(process_role=PROCESS_LABEL)
     app = create_app(settings)
+    app[MARKS] = os.path.dirname(path)
     app.on_startup.append(_freeze_startup_heap)
     loop = _install_event_loop()
     asyncio.set_event_loop(loop)

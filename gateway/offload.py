@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import secrets
 import shutil
 import signal
 import sys
@@ -43,7 +45,15 @@ PROCESS_LABEL = "offload"  # the sibling's log lines carry process_role=<this>
 # process has already answered `100 Continue` to the client. `Content-Encoding`: aiohttp has decoded
 # the body this process relays.
 _HOP = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-                  "upgrade", "expect", "content-length", "content-encoding"))
+                  "upgrade", "expect", "content-length", "content-encoding", "x-gateway-offload-call"))
+# The relay names each request it hands the sibling; the sibling creates `called-<name>` in the
+# socket's directory before it calls the upstream. A relay whose sibling died before answering serves
+# the request itself only when that file is absent: a POST the provider may have run is never sent
+# twice (nginx's proxy_next_upstream does not retry a non-idempotent request either).
+CALL_HEADER = "X-Gateway-Offload-Call"
+_CALL_NAME = re.compile(r"[0-9a-f]{32}")
+# (app key: the directory the sibling's call marks go to; set in the offload process only)
+MARKS: web.AppKey[str] = web.AppKey("offload_marks", str)
 _OWN = frozenset(("date", "server"))
 _RESTART_DELAYS = (0.5, 2.0, 10.0)  # seconds before each restart after a crash (then the last, again)
 _READY_SECONDS = 60.0
@@ -53,9 +63,8 @@ NICE = 10  # the sibling's niceness (it sets it itself: cli._serve_offloaded)
 
 
 class NotRelayed(Exception):
-    """The sibling failed before its answer began: serve the request here, its body's chunks read so
-    far (`prelude`) first. (A sibling that died after calling the upstream but before answering
-    makes that call twice; a stale connection to one that died idle, the usual case, makes none.)"""
+    """The sibling failed before its answer began, and before it called the upstream: serve the
+    request here, its body's chunks read so far (`prelude`) first."""
 
     def __init__(self, reason: str, prelude: list[bytes]) -> None:
         super().__init__(reason)
@@ -263,17 +272,23 @@ class Offload:
         length = self.declared(request)
         if length is not None:
             headers["Content-Length"] = str(length)
+        call = secrets.token_hex(16)
+        headers[CALL_HEADER] = call
+        mark = os.path.join(self.dir, "called-" + call)
         url = URL("http://gateway" + request.raw_path, encoded=True)
         try:
             up = await self.session.request(request.method, url, headers=headers, data=body(),
                                             skip_auto_headers=_AUTO, allow_redirects=False)
         except aiohttp.ClientError as exc:
             await _stopped(reader)
+            if _taken(mark):
+                raise Called(str(exc) or type(exc).__name__) from exc
             if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, FileNotFoundError):
                 self.kill()  # its socket is gone (a tmp cleaner?): a new process binds a new one
             raise NotRelayed(str(exc) or type(exc).__name__, read) from exc
         except asyncio.CancelledError:
             await _stopped(reader)
+            _taken(mark)
             if expired and relaying is not None:
                 relaying.uncancel()
                 raise TimeoutError from None
@@ -282,6 +297,7 @@ class Offload:
         # sends is not needed, and the timer must not cut the answer.
         answered = True
         await _stopped(reader)
+        _taken(mark)
         read.clear()  # (a long stream need not hold the body)
         async with up:
             return await self._answer(request, up)
@@ -321,6 +337,32 @@ class Offload:
                     if r.status == 200:
                         self.samples.update(self.proc.pid, await r.text())
         return self.samples
+
+
+class Called(Exception):
+    """The sibling failed before answering, after it had called the upstream: the provider may have
+    run the request, so it is not sent again."""
+
+
+def _taken(mark: str) -> bool:
+    """Whether the sibling left the call mark `mark` (removed here: each is read once)."""
+    try:
+        os.unlink(mark)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # (cannot tell: the safe side is not to call again)
+    return True
+
+
+def mark_call(request: web.Request) -> None:
+    """In the offload process, before the upstream call: leave the relay's mark (`CALL_HEADER`)."""
+    marks = request.app.get(MARKS)
+    name = request.headers.get(CALL_HEADER) if marks is not None else None
+    if marks is None or name is None or not _CALL_NAME.fullmatch(name):
+        return
+    with contextlib.suppress(OSError):
+        os.close(os.open(os.path.join(marks, "called-" + name), os.O_CREAT | os.O_WRONLY, 0o600))
 
 
 def _hop(request: web.Request) -> frozenset[str]:

@@ -25,9 +25,9 @@ HOP_BY_HOP = frozenset({
 # the stream it relays, so it asks upstream for identity. Content-Encoding: aiohttp decodes a
 # compressed request body as it reads it, and the body forwarded is the decoded one (or a rewrite).
 # Credentials are set per mode by `auth`. X-Gateway-Hop: the proxy sets it anew, with its own id
-# appended (loop detection).
+# appended (loop detection). X-Gateway-Offload-Call: between the gateway and its offload process only.
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "content-encoding", "accept-encoding", "x-gateway-key",
-                              "cookie", "x-gateway-hop"}
+                              "cookie", "x-gateway-hop", "x-gateway-offload-call"}
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 # Response headers aiohttp recomputes for the body it sends. Content-Encoding stays: the transport
 # removes it when it decoded the body, and a body it could not decode goes out with its encoding.

@@ -120,6 +120,12 @@ async def _eventually(check: Any, seconds: float = 20.0) -> Any:
         await asyncio.sleep(0.1)
 
 
+def _socket_of(pid: int) -> str:
+    """The Unix socket an offload process serves (its --offload-socket)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--offload-socket") + 1].decode()
+
+
 def _exited(pid: int) -> bool:
     """Gone, or a zombie nobody has reaped yet (its parent was killed)."""
     try:
@@ -304,6 +310,42 @@ async def test_a_killed_offload_process_is_replaced_and_no_request_fails(tmp_pat
         want = [m["content"] for m in history if m["role"] == "user"]
         assert await _eventually(lambda: _stored_is(http, gw.url, "k", want))
         assert any(ln.get("event") == "offload.exited" for ln in gw.lines())
+
+
+async def test_a_request_the_provider_got_is_not_sent_again_when_the_offload_process_dies(
+        tmp_path: Path, redis_process: RedisProcess) -> None:
+    """The offload process dies after it sent the request upstream and before the answer came back:
+    the client gets a 502 in its API's format saying so, and the provider saw the request once
+    (serving it again here would bill it twice). The next request is served as usual."""
+    victim: list[int] = []
+
+    async def dies_first(body: dict[str, Any]) -> str:
+        if victim:
+            pid = victim.pop()
+            os.kill(pid, signal.SIGKILL)
+            await _eventually(lambda: _exited(pid))
+        return "ok"
+
+    async with FakeUpstream(responder=dies_first) as fake, gateway(tmp_path, redis_process, fake) as gw:
+        victim.append(await gw.offload_pid())
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+        history = _history(11, 12_000)
+        try:
+            await client.chat.completions.create(model="gpt-4o", messages=history,  # type: ignore[arg-type]
+                                                 extra_headers={"X-Conversation-Id": "once"})
+            raise AssertionError("answered, so the request was sent upstream a second time")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 502
+            assert "not sent again" in exc.message
+        assert len(fake.requests) == 1
+        assert "x-gateway-offload-call" not in {k.lower() for k in fake.requests[0].headers}
+        again = await client.chat.completions.create(model="gpt-4o", messages=history,  # type: ignore[arg-type]
+                                                     extra_headers={"X-Conversation-Id": "once"})
+        assert again.choices[0].message.content == "ok"
+        assert len(fake.requests) == 2
+        await client.close()
+        marks = os.path.dirname(_socket_of(await gw.offload_pid(after=1)))
+        assert not [f for f in os.listdir(marks) if f.startswith("called-")]  # each is read once, then gone
 
 
 async def test_the_offload_process_leaves_with_the_gateway(tmp_path: Path, redis_process: RedisProcess) -> None:
