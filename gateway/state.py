@@ -529,6 +529,25 @@ def _product(word: str) -> bool:
     return _PRODUCT_SPELLING.match(word) is not None or _TECH.exact.fullmatch(word) is not None
 
 
+# A name past "to"/"from" that is not a sentence's first word: an acronym ("SQS", "GCP") or a
+# capitalised word ("Aurora", "Prisma", "Go"), other than a day or a month ("the meeting to Friday").
+_ACRONYM = re.compile(r"[A-Z][A-Z0-9]{1,5}s?")
+_PROPER = re.compile(r"[A-Z][a-z0-9]+")
+_CALENDAR = frozenset(("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday", "january",
+                       "february", "march", "april", "may", "june", "july", "august", "september", "october",
+                       "november", "december", "today", "tomorrow", "tonight"))
+_MOVE_VERB = re.compile(r"mov", re.IGNORECASE)
+
+
+def _named(name: str, moved_alone: bool) -> bool:
+    """Whether a move's target, not spelled as a product, is named like one. `moved_alone`: the verb is
+    "move" with nothing said to move ("I'm moving to Seattle"): a person's move, unless the name is
+    an acronym."""
+    if _ACRONYM.fullmatch(name):
+        return True
+    return not moved_alone and _PROPER.fullmatch(name) is not None and name.lower() not in _CALENDAR
+
+
 def _switches(sentence: str) -> bool:
     """Whether a user's sentence decides a move to (or from) a product: see `_SWITCH`."""
     m = _SWITCH.exact.search(sentence)
@@ -541,6 +560,10 @@ def _switches(sentence: str) -> bool:
             return False
         name = t["name"].rstrip(".-")
         if t["version"] or _product(name):
+            return True
+        # ("move" with no words between it and "to": nothing of the project's is said to move.)
+        alone = _MOVE_VERB.match(m.group().split()[-1]) is not None and len(sentence[at:t.start("name")].split()) <= 2
+        if _named(name, alone):
             return True
         at = t.end()
     return False
