@@ -116,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     offload = None
     if not store_url.startswith("memory://") and server.offload and settings.memory.enabled:
         offload = Offload(server.offload_body_bytes, server.max_body_bytes, args.config,
-                          server.shutdown_grace_seconds, args.log_format)
+                          server.shutdown_grace_seconds, args.log_format, server.offload_health_seconds)
     app = create_app(settings)
     app.on_startup.append(_freeze_startup_heap)
     app.on_shutdown.append(log_draining)

@@ -57,7 +57,6 @@ MARKS: web.AppKey[str] = web.AppKey("offload_marks", str)
 _OWN = frozenset(("date", "server"))
 _RESTART_DELAYS = (0.5, 2.0, 10.0)  # seconds before each restart after a crash (then the last, again)
 _READY_SECONDS = 60.0
-_WATCH_SECONDS = 5.0  # /healthz asked this often, given this long to answer
 _WATCH_MISSES = 3  # unanswered in a row: the sibling is killed and another started
 NICE = 10  # the sibling's niceness (it sets it itself: cli._serve_offloaded)
 
@@ -75,8 +74,9 @@ class Offload:
     """The sibling process and the relay to it."""
 
     def __init__(self, threshold: int, max_body: int, config: str | None, grace: float,
-                 log_format: str | None = None) -> None:
+                 log_format: str | None = None, watch_seconds: float = 5.0) -> None:
         self.threshold = threshold
+        self.watch_seconds = watch_seconds  # /healthz asked this often, given this long to answer
         self.max_body = max_body
         self.config = config
         self.log_format = log_format
@@ -171,17 +171,17 @@ class Offload:
         missed = 0
         while self.proc.returncode is None and missed < _WATCH_MISSES:
             try:
-                await asyncio.wait_for(self.proc.wait(), _WATCH_SECONDS)
+                await asyncio.wait_for(self.proc.wait(), self.watch_seconds)
                 return
             except TimeoutError:
                 pass
             try:
-                async with asyncio.timeout(_WATCH_SECONDS), self.session.get("http://gateway/healthz") as r:
+                async with asyncio.timeout(self.watch_seconds), self.session.get("http://gateway/healthz") as r:
                     missed = 0 if r.status == 200 else missed + 1
             except (aiohttp.ClientError, OSError, TimeoutError):
                 missed += 1
         if missed:
-            log.error("offload.unresponsive", seconds=_WATCH_SECONDS * missed * 2,
+            log.error("offload.unresponsive", seconds=self.watch_seconds * missed * 2,
                       message="the offload process stopped answering; it is restarted")
 
     def kill(self) -> None:

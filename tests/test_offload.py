@@ -348,6 +348,30 @@ async def test_a_request_the_provider_got_is_not_sent_again_when_the_offload_pro
         assert not [f for f in os.listdir(marks) if f.startswith("called-")]  # each is read once, then gone
 
 
+async def test_a_stopped_offload_process_is_replaced_and_what_waited_on_it_is_answered(
+        tmp_path: Path, redis_process: RedisProcess) -> None:
+    """SIGSTOP to the offload process (alive, answering nothing): the health check kills it after three
+    unanswered asks, another takes over, and a large request sent to the stopped one meanwhile is
+    answered by the gateway's own process and stored."""
+    async with FakeUpstream(reply="ok") as fake, \
+            gateway(tmp_path, redis_process, fake, offload_health_seconds=0.3) as gw, aiohttp.ClientSession() as http:
+        stopped = await gw.offload_pid()
+        os.kill(stopped, signal.SIGSTOP)
+        history = _history(11, 12_000)
+        headers = {"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "stopped"}
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "gpt-4o", "messages": history},
+                             headers=headers) as r:
+            assert r.status == 200, await r.text()
+        assert fake.requests[-1].body["messages"] == history
+        assert await _eventually(lambda: _exited(stopped))
+        assert await gw.offload_pid(after=1) != stopped
+        assert any(ln.get("event") == "offload.unresponsive" for ln in gw.lines())
+        want = [m["content"] for m in history if m["role"] == "user"]
+        assert await _eventually(lambda: _stored_is(http, gw.url, "stopped", want))
+        logged = await _eventually(lambda: gw.requests("stopped"))
+        assert [ln.get("process_role") for ln in logged] == [None]
+
+
 async def test_the_offload_process_leaves_with_the_gateway(tmp_path: Path, redis_process: RedisProcess) -> None:
     """SIGTERM: both exit 0; SIGKILL to the gateway: the offload process exits on its own."""
     async with FakeUpstream() as fake:
