@@ -504,9 +504,13 @@ _I = re.IGNORECASE
 _GOAL = Pattern(r"\b(?:the|our|my)\s+(?:main\s+|overall\s+|end\s+|primary\s+)?(?:goal|aim|objective)\s+is\b"
                 r"|\bwe(?:'re| are)\s+(?:trying|aiming)\s+to\b|\bi(?:'m| am)\s+(?:trying|aiming)\s+to\s+build\b",
                 caseless=True)
-_DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
-                    r"|\bwe(?:'ll| will)\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
-                    r"|\blet's\s+(?:go\s+with|use|stick\s+with)\b|\bi(?:'ve| have)?\s+decided\b"
+# An adverb people put before the verb ("we finally decided", "we've now switched", "let's just use");
+# not a hedge ("we'll probably use" decides nothing yet).
+_ADVERB = (r"(?:\s+(?:just|now|already|also|then|finally|eventually|ultimately|officially|definitely|actually"
+           r"|really|recently|formally|both|all|at\s+last))?")
+_DECISION = Pattern(rf"\bwe(?:'ve| have)?{_ADVERB}\s+(?:decided|chose|chosen|agreed|settled\s+on|went\s+with)\b"
+                    rf"|\bwe(?:'ll| will){_ADVERB}\s+(?:use|go\s+with|stick\s+with)\b|\bwe\s+are\s+going\s+with\b"
+                    rf"|\blet's{_ADVERB}\s+(?:go\s+with|use|stick\s+with)\b|\bi(?:'ve| have)?{_ADVERB}\s+decided\b"
                     # A label opening the sentence ("Decision: Redis"), not "make an informed decision:".
                     r"|^[\W_]{0,3}(?:\d{1,3}[.)]\s*[\W_]{0,3})?(?:(?:final|our|my|the|team)\s+){0,2}decision(?:\*\*)?\s*:",
                     caseless=True)
@@ -515,9 +519,9 @@ _DECISION = Pattern(r"\bwe(?:'ve| have)?\s+(?:decided|chose|chosen|agreed|settle
 # first "to"/"from" (a few words on), or the "to" after that, is a product (`_switches`): "I'm moving
 # to Seattle", "let's switch to dark mode", "we'll move the meeting to Friday", "moving on to Phase 2"
 # decide nothing for the project. ("We should switch" is a suggestion, not a decision.)
-_SWITCH = Pattern(r"\b(?:let's|we(?:'ll| will)|i(?:'ll| will))\s+(?:switch|move|migrate)\b(?!\s+on\b)"
-                  r"|\b(?:we(?:'re| are)|i(?:'m| am))\s+(?:switching|moving|migrating)\b(?!\s+on\b)"
-                  r"|\b(?:we|i)(?:'ve| have)?\s+(?:switched|moved|migrated)\b(?!\s+on\b)", caseless=True)
+_SWITCH = Pattern(rf"\b(?:let's|we(?:'ll| will)|i(?:'ll| will)){_ADVERB}\s+(?:switch|move|migrate)\b(?!\s+on\b)"
+                  rf"|\b(?:we(?:'re| are)|i(?:'m| am)){_ADVERB}\s+(?:switching|moving|migrating)\b(?!\s+on\b)"
+                  rf"|\b(?:we|i)(?:'ve| have)?{_ADVERB}\s+(?:switched|moved|migrated)\b(?!\s+on\b)", caseless=True)
 _SWITCH_TARGET = re.compile(r"(?:\s+[\w'-]+){0,4}?\s+(?:over\s+)?(?:to|from)\s+(?:the\s+|a\s+|an\s+)?"
                             r"(?P<name>[\w.+#-]{1,40})(?P<version>\s+v?\d+\.\d)?")
 # A product's spelling: "PostgreSQL", "Node.js", "C++", "C#" (not the sentence's own full stop, nor "St.").

@@ -108,6 +108,23 @@ def test_a_move_to_a_product_named_in_capitals_is_a_decision(said: str, decides:
     assert [i.text for i in ledger.active("decisions")] == ([said] if decides else [])
 
 
+@pytest.mark.parametrize(("said", "decides"), [
+    ("We finally decided to use Postgres.", True),
+    ("We've now switched to PostgreSQL 16.", True),
+    ("I've finally decided on FastAPI.", True),
+    ("We ultimately went with Redis.", True),
+    ("Let's just use Vite.", True),
+    ("We eventually chose MongoDB over Postgres.", True),
+    ("We'll probably use Redis.", False),
+    ("Let's not use Redis.", False),
+])
+def test_a_decision_said_with_an_adverb_before_its_verb_is_a_decision(said: str, decides: bool) -> None:
+    """"We finally decided", "we've now switched": the adverb people put before the verb hid the
+    decision. A hedge ("we'll probably use") still decides nothing."""
+    ledger = state.extract(state.Ledger(), [turn("user", said)], 0)
+    assert [i.text for i in ledger.active("decisions")] == ([said] if decides else [])
+
+
 def test_a_move_replaces_what_names_the_old_thing_not_what_a_pronoun_stands_for() -> None:
     """"instead of MySQL" replaces the rule that requires MySQL (a stale rule would be read first),
     and "Postgres" the items that say "PostgreSQL"; "instead of them", "instead of using Celery" name
