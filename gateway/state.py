@@ -523,7 +523,7 @@ _SWITCH = Pattern(rf"\b(?:let's|we(?:'ll| will)|i(?:'ll| will)){_ADVERB}\s+(?:sw
                   rf"|\b(?:we(?:'re| are)|i(?:'m| am)){_ADVERB}\s+(?:switching|moving|migrating)\b(?!\s+on\b)"
                   rf"|\b(?:we|i)(?:'ve| have)?{_ADVERB}\s+(?:switched|moved|migrated)\b(?!\s+on\b)", caseless=True)
 _SWITCH_TARGET = re.compile(r"(?:\s+[\w'-]+){0,4}?\s+(?:over\s+)?(?:to|from)\s+(?:the\s+|a\s+|an\s+)?"
-                            r"(?P<name>[\w.+#-]{1,40})(?P<version>\s+v?\d+\.\d)?")
+                            r"(?P<code>`)?(?P<name>[\w.+#-]{1,40})(?(code)`)(?P<version>\s+v?\d+\.\d)?")
 # A product's spelling: "PostgreSQL", "Node.js", "C++", "C#" (not the sentence's own full stop, nor "St.").
 _PRODUCT_SPELLING = re.compile(r"[A-Za-z]+(?:[a-z][A-Z]|\.[a-z]|\+\+|#)")
 
@@ -563,7 +563,7 @@ def _switches(sentence: str) -> bool:
         if t is None:
             return False
         name = t["name"].rstrip(".-")
-        if t["version"] or _product(name):
+        if t["version"] or t["code"] or _product(name):  # (`pnpm`: written as code, a name)
             return True
         # ("move" with no words between it and "to": nothing of the project's is said to move.)
         alone = _MOVE_VERB.match(m.group().split()[-1]) is not None and len(sentence[at:t.start("name")].split()) <= 2

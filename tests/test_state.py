@@ -95,6 +95,7 @@ def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -
     ("Let's switch to Go for the workers.", True),
     ("We've moved the queue to SQS.", True),
     ("Let's switch the ORM to Prisma.", True),
+    ("Let's switch to `pnpm` for installs.", True),
     ("I'm moving to Seattle next month.", False),
     ("We're moving to Berlin.", False),
     ("We moved the standup to Monday.", False),
@@ -102,8 +103,9 @@ def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -
     ("Let's switch to dark mode.", False),
 ])
 def test_a_move_to_a_product_named_in_capitals_is_a_decision(said: str, decides: bool) -> None:
-    """A product spelled like any proper name or acronym ("Aurora", "Go", "SQS") is a move's target as
-    much as "PostgreSQL 16" is; a day, a month, or a person's own move ("I'm moving to Seattle") is not."""
+    """A product spelled like any proper name or acronym ("Aurora", "Go", "SQS"), or written as code
+    (`pnpm`), is a move's target as much as "PostgreSQL 16" is; a day, a month, or a person's own move
+    ("I'm moving to Seattle") is not."""
     ledger = state.extract(state.Ledger(), [turn("user", said)], 0)
     assert [i.text for i in ledger.active("decisions")] == ([said] if decides else [])
 
