@@ -545,11 +545,11 @@ _MOVE_VERB = re.compile(r"mov", re.IGNORECASE)
 
 def _named(name: str, moved_alone: bool) -> bool:
     """Whether a move's target, not spelled as a product, is named like one. `moved_alone`: the verb is
-    "move" with nothing said to move ("I'm moving to Seattle"): a person's move, unless the name is
-    an acronym."""
-    if _ACRONYM.fullmatch(name):
-        return True
-    return not moved_alone and _PROPER.fullmatch(name) is not None and name.lower() not in _CALENDAR
+    "move" with nothing said to move ("I'm moving to Seattle", "... to NYC"): a person's move."""
+    if moved_alone:
+        return False
+    return _ACRONYM.fullmatch(name) is not None or (_PROPER.fullmatch(name) is not None
+                                                    and name.lower() not in _CALENDAR)
 
 
 def _switches(sentence: str) -> bool:

@@ -98,6 +98,7 @@ def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -
     ("Let's switch to `pnpm` for installs.", True),
     ("I'm moving to Seattle next month.", False),
     ("We're moving to Berlin.", False),
+    ("I'm moving to NYC in May.", False),
     ("We moved the standup to Monday.", False),
     ("We're migrating to the new office in March.", False),
     ("Let's switch to dark mode.", False),
