@@ -51,6 +51,10 @@ TERMS = 10  # salient terms a line keeps
 DECISIONS = 2  # decided/changed statements a line keeps
 OPENING_WORDS = 14
 OPENING_MIN = 8  # words a sentence that is not a statement or question needs to open a line
+# Words a user starts with that say nothing of the task ("hmm, so how do I ...", "ok so ..."): the
+# opening starts after them. Anchored, each alternative a fixed word: linear in what it reads.
+_FILLER = re.compile(r"(?:(?:h+m+|o+k(?:ay)?|so|well|alright|um+|uh+|yeah|yes|oh|hey|hi|hello|thanks|right)"
+                     r"(?![\w'’])[,.!…-]*\s+)+", re.IGNORECASE)
 DECISION_WORDS = 14
 
 # Names, identifiers, versions, numbers, paths: a term is a token holding a digit or a joiner
@@ -218,6 +222,9 @@ def extend(lines: list[Line], turns: Sequence[Message], start: int) -> list[Line
                         opening = sentence
                         break
                 opening = opening or first_asked
+                filler = _FILLER.match(opening)
+                if filler is not None and filler.end() < len(opening):
+                    opening = opening[filler.end():]
                 current.opening = state.clip_words(opening.rstrip("?.! "), OPENING_WORDS).replace("; ", ", ")
             current.counts.update(_terms(text))
         # As the state reads them: the same sentences, the same decisions.

@@ -149,6 +149,12 @@ def test_a_line_opens_on_what_was_asked_not_a_bare_request_for_help() -> None:
                 "the expiry. Can you help me with that?", "2024-03-02T10:00:00")
     (line,) = timeline.extend([], [stuck], 0)
     assert line.opening.startswith("I'm trying to add JWT v9.0.0 to my chat app")
+    # Words that only fill the start ("hmm, so") are not what was asked.
+    hmm = msg("user", "hmm, so how do I handle time zone conversions in Postgres?", "2024-03-02T10:00:00")
+    (line,) = timeline.extend([], [hmm], 0)
+    assert line.opening == "how do I handle time zone conversions in Postgres"
+    (line,) = timeline.extend([], [msg("user", "Ok so, Redis 7 keeps crashing under load.", "2024-03-02T10:00:00")], 0)
+    assert line.opening == "Redis 7 keeps crashing under load"
 
 
 async def fold_batches(batches: list[list[Message]], timeline_tokens: int) -> list[timeline.Line]:
