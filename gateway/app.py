@@ -172,9 +172,10 @@ async def _offloaded(request: web.Request, offload: Offload) -> web.StreamRespon
     except Called as exc:
         request[RECORD].route = "offload"
         request.app[LOG].error("offload.failed", error=str(exc), message="it had called the upstream: not sent again")
+        # x-should-retry: the official SDKs would otherwise send it again on their own.
         raise GatewayError(502, None, "the gateway process serving this request exited after sending it to the "
                            "provider and before the answer came back; it was not sent again (the provider may "
-                           "have run it)") from None
+                           "have run it)", {"x-should-retry": "false"}) from None
     except TimeoutError:
         request[RECORD].route = "offload"  # (logged and counted here: no handler ran)
         raise GatewayError(408, None, f"the request body did not arrive within {seconds:g} s") from None

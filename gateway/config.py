@@ -35,9 +35,9 @@ class ServerSettings(_Strict):
     # that serves the rest. false: one process serves all (as always on the embedded memory:// store).
     offload: bool = True
     offload_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    # The offload process's /healthz is asked this often; unanswered 3 times in a row (stopped,
-    # deadlocked), it is killed and another started.
-    offload_health_seconds: float = Field(5.0, ge=0.1, le=300)
+    # The offload process's /healthz is asked this often, and given this long to answer; unanswered 3
+    # times in a row (stopped, deadlocked: found within 6x this), it is killed and another started.
+    offload_health_seconds: float = Field(5.0, ge=1, le=300)
     # A request head must arrive within this of its first byte (slow-header sockets are closed).
     header_timeout_seconds: float = Field(10.0, gt=0, le=3600)
     # A request body must arrive within this once its head is in (else 408 in the caller's dialect).

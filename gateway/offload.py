@@ -46,10 +46,12 @@ PROCESS_LABEL = "offload"  # the sibling's log lines carry process_role=<this>
 # the body this process relays.
 _HOP = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
                   "upgrade", "expect", "content-length", "content-encoding", "x-gateway-offload-call"))
-# The relay names each request it hands the sibling; the sibling creates `called-<name>` in the
-# socket's directory before it calls the upstream. A relay whose sibling died before answering serves
-# the request itself only when that file is absent: a POST the provider may have run is never sent
-# twice (nginx's proxy_next_upstream does not retry a non-idempotent request either).
+# The relay names each request it hands the sibling and creates `pending-<name>` in the socket's
+# directory; the sibling removes that file before it calls the upstream, and calls only when it did.
+# A relay whose sibling died before answering serves the request itself only when the file is still
+# there: a POST the provider may have run is never sent twice (nginx's proxy_next_upstream does not
+# retry a non-idempotent request either), and a file lost any other way (the directory removed)
+# errs on that side too.
 CALL_HEADER = "X-Gateway-Offload-Call"
 _CALL_NAME = re.compile(r"[0-9a-f]{32}")
 # (app key: the directory the sibling's call marks go to; set in the offload process only)
@@ -274,21 +276,27 @@ class Offload:
             headers["Content-Length"] = str(length)
         call = secrets.token_hex(16)
         headers[CALL_HEADER] = call
-        mark = os.path.join(self.dir, "called-" + call)
+        mark = os.path.join(self.dir, "pending-" + call)
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except OSError as exc:
+            await _stopped(reader)
+            self.kill()  # its directory is gone (a tmp cleaner?): a new process makes it again
+            raise NotRelayed(f"no call mark: {exc}", read) from exc
         url = URL("http://gateway" + request.raw_path, encoded=True)
         try:
             up = await self.session.request(request.method, url, headers=headers, data=body(),
                                             skip_auto_headers=_AUTO, allow_redirects=False)
         except aiohttp.ClientError as exc:
             await _stopped(reader)
-            if _taken(mark):
+            if not _still_pending(mark):
                 raise Called(str(exc) or type(exc).__name__) from exc
             if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, FileNotFoundError):
                 self.kill()  # its socket is gone (a tmp cleaner?): a new process binds a new one
             raise NotRelayed(str(exc) or type(exc).__name__, read) from exc
         except asyncio.CancelledError:
             await _stopped(reader)
-            _taken(mark)
+            _still_pending(mark)
             if expired and relaying is not None:
                 relaying.uncancel()
                 raise TimeoutError from None
@@ -297,7 +305,7 @@ class Offload:
         # sends is not needed, and the timer must not cut the answer.
         answered = True
         await _stopped(reader)
-        _taken(mark)
+        _still_pending(mark)  # (there when the sibling answered without calling the upstream)
         read.clear()  # (a long stream need not hold the body)
         async with up:
             return await self._answer(request, up)
@@ -340,29 +348,37 @@ class Offload:
 
 
 class Called(Exception):
-    """The sibling failed before answering, after it had called the upstream: the provider may have
-    run the request, so it is not sent again."""
+    """The sibling failed before answering, after it may have called the upstream: the provider may
+    have run the request, so it is not sent again."""
 
 
-def _taken(mark: str) -> bool:
-    """Whether the sibling left the call mark `mark` (removed here: each is read once)."""
+def _still_pending(mark: str) -> bool:
+    """Whether the sibling left the call mark `mark` in place, i.e. never called the upstream with it
+    (removed here: each is read once)."""
     try:
         os.unlink(mark)
-    except FileNotFoundError:
-        return False
     except OSError:
-        return True  # (cannot tell: the safe side is not to call again)
+        return False  # taken by the sibling, or lost with its directory: it may have called
     return True
 
 
-def mark_call(request: web.Request) -> None:
-    """In the offload process, before the upstream call: leave the relay's mark (`CALL_HEADER`)."""
+class Unmarked(Exception):
+    """In the offload process: the relay's mark for this request is gone; it is not sent upstream."""
+
+
+def take_call(request: web.Request) -> None:
+    """In the offload process, before the upstream call: take the relay's mark (`CALL_HEADER`), or
+    raise Unmarked (the relay may serve the request itself, so this process must not call)."""
     marks = request.app.get(MARKS)
-    name = request.headers.get(CALL_HEADER) if marks is not None else None
-    if marks is None or name is None or not _CALL_NAME.fullmatch(name):
+    if marks is None:
         return
-    with contextlib.suppress(OSError):
-        os.close(os.open(os.path.join(marks, "called-" + name), os.O_CREAT | os.O_WRONLY, 0o600))
+    name = request.headers.get(CALL_HEADER)
+    if name is None or not _CALL_NAME.fullmatch(name):
+        raise Unmarked("the request came without the relay's call mark")
+    try:
+        os.unlink(os.path.join(marks, "pending-" + name))
+    except OSError as exc:
+        raise Unmarked(f"the relay's call mark is gone ({exc.strerror})") from None
 
 
 def _hop(request: web.Request) -> frozenset[str]:

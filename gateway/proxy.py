@@ -27,7 +27,7 @@ from gateway.config import Settings
 from gateway.dialects import Dialect, dialect_for_path
 from gateway.metrics import Metrics
 from gateway.model import Usage
-from gateway.offload import mark_call
+from gateway.offload import Unmarked, take_call
 from gateway.resend import ResendParser, TooManyValues
 from gateway.stream_usage import UsageTap, ask_for_usage
 from gateway.transport import HTTPClient, Response, UpstreamError, UpstreamTimeout
@@ -264,7 +264,11 @@ class Proxy:
                        data: bytes, headers: list[tuple[str, str]], prepared: Prepared | None,
                        memory: bool) -> web.StreamResponse:
         assert self.client is not None, "the upstream client is opened by the app's cleanup_ctx"
-        mark_call(request)  # (in the offload process: the relay must not send this again)
+        try:
+            take_call(request)  # (in the offload process: from here on the relay must not send this again)
+        except Unmarked as exc:
+            raise GatewayError(503, None, f"not sent to the provider: {exc}; retry the request",
+                               {"Retry-After": "1"}) from None
         t = perf_counter()
         try:
             resp = await self.client.request(upstream.endpoint, request.method, upstream.target(request.raw_path),

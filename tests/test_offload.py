@@ -315,8 +315,8 @@ async def test_a_killed_offload_process_is_replaced_and_no_request_fails(tmp_pat
 async def test_a_request_the_provider_got_is_not_sent_again_when_the_offload_process_dies(
         tmp_path: Path, redis_process: RedisProcess) -> None:
     """The offload process dies after it sent the request upstream and before the answer came back:
-    the client gets a 502 in its API's format saying so, and the provider saw the request once
-    (serving it again here would bill it twice). The next request is served as usual."""
+    the client gets a 502 in its API's format that its SDK does not retry, and the provider saw the
+    request once (serving it again here would bill it twice). The next request is served as usual."""
     victim: list[int] = []
 
     async def dies_first(body: dict[str, Any]) -> str:
@@ -328,7 +328,7 @@ async def test_a_request_the_provider_got_is_not_sent_again_when_the_offload_pro
 
     async with FakeUpstream(responder=dies_first) as fake, gateway(tmp_path, redis_process, fake) as gw:
         victim.append(await gw.offload_pid())
-        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY)  # (the SDK's own retries on)
         history = _history(11, 12_000)
         try:
             await client.chat.completions.create(model="gpt-4o", messages=history,  # type: ignore[arg-type]
@@ -336,7 +336,8 @@ async def test_a_request_the_provider_got_is_not_sent_again_when_the_offload_pro
             raise AssertionError("answered, so the request was sent upstream a second time")
         except openai.APIStatusError as exc:
             assert exc.status_code == 502
-            assert "not sent again" in exc.message
+            assert exc.response.headers["x-should-retry"] == "false"
+            assert isinstance(exc.body, dict) and "not sent again" in exc.body["message"]
         assert len(fake.requests) == 1
         assert "x-gateway-offload-call" not in {k.lower() for k in fake.requests[0].headers}
         again = await client.chat.completions.create(model="gpt-4o", messages=history,  # type: ignore[arg-type]
@@ -345,7 +346,31 @@ async def test_a_request_the_provider_got_is_not_sent_again_when_the_offload_pro
         assert len(fake.requests) == 2
         await client.close()
         marks = os.path.dirname(_socket_of(await gw.offload_pid(after=1)))
-        assert not [f for f in os.listdir(marks) if f.startswith("called-")]  # each is read once, then gone
+        assert not [f for f in os.listdir(marks) if f.startswith("pending-")]  # each is read once, then gone
+
+
+async def test_the_offload_process_calls_the_provider_only_with_the_relays_mark(
+        tmp_path: Path, redis_process: RedisProcess) -> None:
+    """A request reaching the offload process without a mark the relay left (a forged header, or one
+    whose mark is gone) is answered 503 and never sent upstream: the relay may serve it itself."""
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw:
+        sock = _socket_of(await gw.offload_pid())
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(sock)) as direct:
+            for mark in (None, "0" * 32, "../../etc"):
+                headers = {"Authorization": f"Bearer {KEY}"} | ({"X-Gateway-Offload-Call": mark} if mark else {})
+                async with direct.post("http://gateway/v1/chat/completions", json=body, headers=headers) as r:
+                    assert r.status == 503, await r.text()
+                    assert "not sent to the provider" in (await r.json())["error"]["message"]
+        assert fake.requests == []
+        # A client's own header is not the relay's: small and large requests are served as usual.
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0,
+                                    default_headers={"X-Gateway-Offload-Call": "0" * 32})
+        for history in ([{"role": "user", "content": "hi"}], _history(11, 12_000)):
+            done = await client.chat.completions.create(model="gpt-4o", messages=history)  # type: ignore[arg-type]
+            assert done.choices[0].message.content == "ok"
+        await client.close()
+        assert len(fake.requests) == 2
 
 
 async def test_a_stopped_offload_process_is_replaced_and_what_waited_on_it_is_answered(
@@ -354,7 +379,7 @@ async def test_a_stopped_offload_process_is_replaced_and_what_waited_on_it_is_an
     unanswered asks, another takes over, and a large request sent to the stopped one meanwhile is
     answered by the gateway's own process and stored."""
     async with FakeUpstream(reply="ok") as fake, \
-            gateway(tmp_path, redis_process, fake, offload_health_seconds=0.3) as gw, aiohttp.ClientSession() as http:
+            gateway(tmp_path, redis_process, fake, offload_health_seconds=1) as gw, aiohttp.ClientSession() as http:
         stopped = await gw.offload_pid()
         os.kill(stopped, signal.SIGSTOP)
         history = _history(11, 12_000)
