@@ -534,22 +534,26 @@ def _product(word: str) -> bool:
 
 
 # A name past "to"/"from" that is not a sentence's first word: an acronym ("SQS", "GCP") or a
-# capitalised word ("Aurora", "Prisma", "Go"), other than a day or a month ("the meeting to Friday").
+# capitalised word ("Aurora", "Prisma", "Go"), other than what people also switch to that is no
+# product: a day or a month ("to Fri"), a quarter, a language, a plan or phase ("to Plan B").
 _ACRONYM = re.compile(r"[A-Z][A-Z0-9]{1,5}s?")
 _PROPER = re.compile(r"[A-Z][a-z0-9]+")
-_CALENDAR = frozenset(("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday", "january",
-                       "february", "march", "april", "may", "june", "july", "august", "september", "october",
-                       "november", "december", "today", "tomorrow", "tonight"))
+_NOT_PRODUCT = frozenset((
+    "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday", "mon", "tue", "tues", "wed",
+    "thu", "thur", "thurs", "fri", "sat", "sun", "january", "february", "march", "april", "may", "june", "july",
+    "august", "september", "october", "november", "december", "jan", "feb", "mar", "apr", "jun", "jul", "aug",
+    "sep", "sept", "oct", "nov", "dec", "today", "tomorrow", "tonight", "q1", "q2", "q3", "q4", "h1", "h2",
+    "eod", "eow", "eom", "asap", "tbd", "english", "spanish", "french", "german", "italian", "portuguese",
+    "dutch", "russian", "chinese", "mandarin", "japanese", "korean", "arabic", "hindi", "hebrew", "turkish",
+    "polish", "swedish", "plan", "phase", "option", "step", "stage", "tier", "level", "part", "chapter", "version",
+))
 _MOVE_VERB = re.compile(r"mov", re.IGNORECASE)
 
 
-def _named(name: str, moved_alone: bool) -> bool:
-    """Whether a move's target, not spelled as a product, is named like one. `moved_alone`: the verb is
-    "move" with nothing said to move ("I'm moving to Seattle", "... to NYC"): a person's move."""
-    if moved_alone:
-        return False
-    return _ACRONYM.fullmatch(name) is not None or (_PROPER.fullmatch(name) is not None
-                                                    and name.lower() not in _CALENDAR)
+def _named(name: str) -> bool:
+    """Whether a switch's target, not spelled as a product, is named like one (see `_NOT_PRODUCT`)."""
+    return ((_ACRONYM.fullmatch(name) is not None or _PROPER.fullmatch(name) is not None)
+            and name.lower() not in _NOT_PRODUCT)
 
 
 def _switches(sentence: str) -> bool:
@@ -565,9 +569,9 @@ def _switches(sentence: str) -> bool:
         name = t["name"].rstrip(".-")
         if t["version"] or t["code"] or _product(name):  # (`pnpm`: written as code, a name)
             return True
-        # ("move" with no words between it and "to": nothing of the project's is said to move.)
-        alone = _MOVE_VERB.match(m.group().split()[-1]) is not None and len(sentence[at:t.start("name")].split()) <= 2
-        if _named(name, alone):
+        # People move to cities, move teams, tickets and launches to other names: a move counts by
+        # a product's spelling alone; a switch or a migration by any name.
+        if _MOVE_VERB.match(m.group().split()[-1]) is None and _named(name):
             return True
         at = t.end()
     return False

@@ -93,20 +93,26 @@ def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -
 @pytest.mark.parametrize(("said", "decides"), [
     ("We're migrating to Aurora next week.", True),
     ("Let's switch to Go for the workers.", True),
-    ("We've moved the queue to SQS.", True),
+    ("We're migrating the queue to SQS.", True),
     ("Let's switch the ORM to Prisma.", True),
     ("Let's switch to `pnpm` for installs.", True),
+    ("We've moved the CI to GitHub Actions.", True),
     ("I'm moving to Seattle next month.", False),
-    ("We're moving to Berlin.", False),
     ("I'm moving to NYC in May.", False),
+    ("We're moving our team from Boston to Austin.", False),
+    ("We'll move the launch to Q3.", False),
     ("We moved the standup to Monday.", False),
+    ("Let's switch the sync to Fri.", False),
+    ("Let's switch to English.", False),
+    ("Let's switch to Plan B.", False),
     ("We're migrating to the new office in March.", False),
     ("Let's switch to dark mode.", False),
 ])
 def test_a_move_to_a_product_named_in_capitals_is_a_decision(said: str, decides: bool) -> None:
-    """A product spelled like any proper name or acronym ("Aurora", "Go", "SQS"), or written as code
-    (`pnpm`), is a move's target as much as "PostgreSQL 16" is; a day, a month, or a person's own move
-    ("I'm moving to Seattle") is not."""
+    """A switch or migration to a product spelled like any proper name or acronym ("Aurora", "Go",
+    "SQS"), or written as code (`pnpm`), decides as much as one to "PostgreSQL 16" does; a day, a
+    quarter, a language or a plan does not, nor a "move" to a name that is not spelled as a product
+    (people move to cities and move teams and launches)."""
     ledger = state.extract(state.Ledger(), [turn("user", said)], 0)
     assert [i.text for i in ledger.active("decisions")] == ([said] if decides else [])
 
