@@ -1120,25 +1120,32 @@ def extract(ledger: Ledger, turns: Sequence[Message], start: int, *, now: str | 
 
 # -- rendering --------------------------------------------------------------------------------
 
+# Items of each kind the state shows before any kind shows more: on a long conversation nine standing
+# orders and the stack filled the whole budget, and no decision was left in it.
+FIRST_ROUND = 2
+
+
 def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> str:
     """The ledger as text within `budget_tokens`: most important kinds first, newest first within a kind.
 
-    Deterministic (same ledger, same bytes): the block sits in the provider's cached prefix.
-    Superseded items are left out. Items that do not fit are skipped, smaller later ones may fit.
+    Chosen in two rounds: the newest FIRST_ROUND items of every kind (and the stack's components
+    line), in kind order, then the rest in the same order. Deterministic (same ledger, same bytes):
+    the block sits in the provider's cached prefix. Superseded items are left out. Items that do not
+    fit are skipped, smaller later ones may fit.
     """
     if budget_tokens <= 0:
         return ""
-    lines: list[str] = []
     used = 0
+    chosen: dict[Kind, list[str]] = {}
+    named_line: dict[Kind, str] = {}
+    rest: list[tuple[Kind, str]] = []
     for kind in RENDER_ORDER:
         items = sorted(ledger.active(kind), key=lambda i: (i.source if i.source is not None else 1 << 60,
                                                            int(i.id[1:]) if i.id[1:].isdigit() else 0),
                        reverse=True)
         if not items:
             continue
-        header = f"{TITLES[kind]}:"
-        header_cost = count(header) + 1
-        section: list[str] = []
+        header_cost = count(f"{TITLES[kind]}:") + 1
         named = [i for i in items if is_component(i)]
         if named:  # components on one line: "- Node.js v20.11.1 (since …; was: …), Express v4.18.2, …"
             items = [i for i in items if not is_component(i)]
@@ -1152,21 +1159,36 @@ def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> s
                     shown.append(part)
                     used += extra
             if shown:
-                section += [header, "- " + ", ".join(shown)]
-        for item in items:
-            if budget_tokens - used < 4:
-                break  # nothing more fits: no need to count the rest
-            line = f"- {item.text}{history(item)}"
-            cost = count(line) + 1
-            extra = cost + (0 if section else header_cost)
-            if used + extra > budget_tokens:
+                named_line[kind] = "- " + ", ".join(shown)
+        lines = [f"- {item.text}{history(item)}" for item in items]
+        for n, line in enumerate(lines):
+            if n >= FIRST_ROUND:
+                rest.append((kind, line))
                 continue
-            if not section:
-                section.append(header)
-            section.append(line)
-            used += extra
-        lines += section
-    return "\n".join(lines)
+            used += _take(chosen, named_line, kind, line, budget_tokens - used, header_cost + 0, count)
+    for kind, line in rest:
+        if budget_tokens - used < 4:
+            break  # nothing more fits: no need to count the rest
+        used += _take(chosen, named_line, kind, line, budget_tokens - used, count(f"{TITLES[kind]}:") + 1, count)
+    out: list[str] = []
+    for kind in RENDER_ORDER:
+        body = ([named_line[kind]] if kind in named_line else []) + chosen.get(kind, [])
+        if body:
+            out += [f"{TITLES[kind]}:", *body]
+    return "\n".join(out)
+
+
+def _take(chosen: dict[Kind, list[str]], named_line: dict[Kind, str], kind: Kind, line: str, room: int,
+          header_cost: int, count: Callable[[str], int]) -> int:
+    """Adds `line` to its kind's section when it fits `room` (with the section's header if it has
+    none yet); the tokens it took."""
+    if room < 4:
+        return 0
+    extra = count(line) + 1 + (0 if chosen.get(kind) or kind in named_line else header_cost)
+    if extra > room:
+        return 0
+    chosen.setdefault(kind, []).append(line)
+    return extra
 
 
 def history(item: Item) -> str:

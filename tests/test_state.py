@@ -848,6 +848,29 @@ def test_an_assistant_decides_only_by_reporting_a_decision(text: str, decided: b
     assert [i.text for i in ledger.active("decisions")] == ["We'll use NumPy arrays for the bounding boxes."]
 
 
+def test_many_standing_orders_do_not_crowd_every_decision_out_of_the_state() -> None:
+    """Nine "Always ..." orders used to fill a small budget before any decision was shown: each kind's
+    newest items come first, the rest after, and the sections stay in their order."""
+    ledger = state.Ledger()
+    orders = ["Always answer billing questions with a table.", "Never log raw tokens.",
+              "Always mask secrets in shown configs.", "Use 24-hour times in schedules.",
+              "Always write tests with pytest.", "Never deploy on Fridays.", "Always cite the RFC section.",
+              "Keep answers under 300 words.", "Always name the migration file."]
+    for n, order in enumerate(orders):
+        state.add_item(ledger, "constraints", order, source=n, time=None)
+    state.add_item(ledger, "decisions", "We decided to use PostgreSQL 16 for storage.", source=20, time=None)
+    state.add_item(ledger, "decisions", "We decided to shard messages by room id.", source=21, time=None)
+    text = state.render(ledger, 50, words)
+    lines = text.splitlines()
+    assert lines.index("Constraints:") < lines.index("Decisions:")
+    assert "- We decided to shard messages by room id." in lines
+    assert "- We decided to use PostgreSQL 16 for storage." in lines
+    assert len(ledger.active("constraints")) == 9
+    assert "- Always name the migration file." in lines  # the newest order
+    assert "- Always answer billing questions with a table." not in lines  # no room left
+    assert words(text) <= 50
+
+
 def test_the_stack_renders_before_decisions_and_outlives_older_items() -> None:
     """Components render on one line ahead of decisions, and a full ledger drops older extracted
     statements before the stack the project started on."""
