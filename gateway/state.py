@@ -1165,7 +1165,7 @@ def render(ledger: Ledger, budget_tokens: int, count: Callable[[str], int]) -> s
             if n >= FIRST_ROUND:
                 rest.append((kind, line))
                 continue
-            used += _take(chosen, named_line, kind, line, budget_tokens - used, header_cost + 0, count)
+            used += _take(chosen, named_line, kind, line, budget_tokens - used, header_cost, count)
     for kind, line in rest:
         if budget_tokens - used < 4:
             break  # nothing more fits: no need to count the rest
