@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway import demo, listener, logs, preflight, savings, worker
 from gateway import eval as evaluation
 from gateway.app import OFFLOAD, create_app
-from gateway.config import ConfigError, ServerSettings, Settings, load_settings, resolve_path
+from gateway.config import DEFAULT_ENV, ConfigError, ServerSettings, Settings, load_settings, resolve_path
 from gateway.offload import MARKS, NICE, PROCESS_LABEL, Offload
 from gateway.preflight import redact_url
 from gateway.shutdown import log_draining
@@ -33,12 +33,10 @@ def config_problems(settings: Settings, listen: tuple[str, int] | None = None) -
 
 
 def _load(path: str | None, host: str | None = None, port: int | None = None) -> Settings:
-    settings = load_settings(path)
-    listen = (host or settings.server.host, settings.server.port if port is None else port)
-    problems = config_problems(settings, listen)
-    if problems:
-        raise ConfigError(problems)
-    return settings
+    def checks(settings: Settings) -> list[str]:
+        return config_problems(settings, (host or settings.server.host, settings.server.port if port is None else port))
+
+    return load_settings(path, checks)
 
 
 def _print_problems(exc: ConfigError) -> None:
@@ -59,7 +57,8 @@ def check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_problems(exc)
         return 1
-    print(f"configuration OK ({path or 'built-in defaults'})")
+    used = [name for name in DEFAULT_ENV if os.environ.get(name)] if path is None else []
+    print(f"configuration OK ({path or 'built-in defaults'}{', with $' + ', $'.join(used) if used else ''})")
     print(f"  listen:     {settings.server.host}:{settings.server.port}")
     print(f"  store:      {redact_url(settings.store.url)}")
     for name, up in settings.upstreams.items():
@@ -70,6 +69,8 @@ def check_config(args: argparse.Namespace) -> int:
     mem = settings.memory
     print(f"  memory:     {'on' if mem.enabled else 'off'}; rewrite over {mem.message_threshold} messages "
           f"or {mem.token_threshold} tokens; summarizer {settings.summarizer_mode()}; policy {mem.policy}")
+    for warning in preflight.warnings(settings):
+        print(f"  warning:    {warning}")
     for name in settings.unpriced_models():
         print(f"  warning:    model {name!r} matches no pricing entry: priced as pricing.default (no price, no "
               "prompt caching assumed); add a pricing.<name> entry for it")
@@ -126,6 +127,8 @@ def serve(args: argparse.Namespace) -> int:
                             "between processes; set store.url to redis://… for real use")
     else:
         log.info("store", store=redact_url(store_url))
+    for warning in preflight.warnings(settings):
+        log.warning("config_warning", message=warning)
     if offload is not None:
         _offload(app, offload)
     loop = _install_event_loop()

@@ -7,11 +7,14 @@ against `Settings`. Unknown keys are errors (a typo must not silently fall back 
 
 from __future__ import annotations
 
+import copy
+import difflib
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,6 +23,18 @@ from yarl import URL
 from gateway import embed  # light: the model's runtime is imported only when the switch is on
 
 DEFAULT_CONFIG_ENV = "GATEWAY_CONFIG"
+# The variables the shipped config/gateway.yaml reads (`${GATEWAY_STORE_URL:-memory://}`, ...), read the
+# same way when no config file is given: set, they would otherwise do nothing, and a user who set
+# GATEWAY_OPENAI_BASE_URL to a local server would send prompts to the real provider.
+DEFAULT_ENV: dict[str, tuple[str, ...]] = {
+    "GATEWAY_HOST": ("server", "host"),
+    "GATEWAY_PORT": ("server", "port"),
+    "GATEWAY_SHUTDOWN_GRACE_SECONDS": ("server", "shutdown_grace_seconds"),
+    "GATEWAY_STORE_URL": ("store", "url"),
+    "GATEWAY_OPENAI_BASE_URL": ("upstreams", "openai", "base_url"),
+    "GATEWAY_ANTHROPIC_BASE_URL": ("upstreams", "anthropic", "base_url"),
+    "GATEWAY_IN_PROCESS_WORKERS": ("memory", "worker", "in_process"),
+}
 
 
 class _Strict(BaseModel):
@@ -543,8 +558,59 @@ def _format_errors(exc: ValidationError) -> list[str]:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
+            near = difflib.get_close_matches(str(err["loc"][-1]), _keys_at(err["loc"][:-1]), n=1, cutoff=0.75)
+            if near:
+                msg += f" (did you mean {near[0]}?)"
         problems.append(f"{loc}: {msg}")
     return problems
+
+
+def _keys_at(path: tuple[Any, ...]) -> list[str]:
+    """The keys the schema knows under `path` (a mapping of names, as `upstreams`, steps over the name)."""
+    node: Any = Settings
+    for part in path:
+        if isinstance(node, type) and issubclass(node, BaseModel):
+            field = node.model_fields.get(str(part))
+            if field is None:
+                return []
+            node = field.annotation
+        elif get_origin(node) is dict:
+            node = get_args(node)[1]
+        else:
+            return []
+        if get_origin(node) is Union:  # `X | None`
+            node = next((a for a in get_args(node) if a is not type(None)), node)
+    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
+
+
+def _lenient(data: dict[str, Any]) -> Settings | None:
+    """The settings with each wrong key left at its default, so the checks that read keys together can
+    still run and `check-config` names every mistake at once; None when that cannot be had."""
+    data = copy.deepcopy(data)
+    for _ in range(8):
+        try:
+            return Settings.model_validate(data)
+        except ValidationError as exc:
+            if not any(_drop(data, err["loc"]) for err in exc.errors()):
+                return None
+        except ValueError:
+            return None
+    return None
+
+
+def _drop(data: Any, loc: tuple[Any, ...]) -> bool:
+    """Remove the deepest key of `loc` that `data` holds; whether one was."""
+    node, parent, key = data, None, None
+    for part in loc:
+        held = (part in node) if isinstance(node, dict) else (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        if not held:
+            break
+        parent, key, node = node, part, node[part]
+    if parent is None:
+        return False
+    del parent[key]
+    return True
 
 
 def parse_settings(data: Any) -> Settings:
@@ -565,11 +631,27 @@ def resolve_path(path: str | os.PathLike[str] | None) -> Path | None:
     return Path(env) if env else None
 
 
-def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
-    """Settings from `path`, else from $GATEWAY_CONFIG, else the built-in defaults."""
+def load_settings(path: str | os.PathLike[str] | None = None,
+                  checks: Callable[[Settings], list[str]] | None = None) -> Settings:
+    """Settings from `path`, else from $GATEWAY_CONFIG, else the built-in defaults (with the variables of
+    `DEFAULT_ENV`). `checks`: problems seen only with the keys read together; reported with the schema's
+    own, all at once (a wrong key is left at its default for them)."""
     resolved = resolve_path(path)
     if resolved is None:
-        return Settings()
+        data: dict[str, Any] = {}
+        source: dict[str, str] = {}
+        for name, key_path in DEFAULT_ENV.items():
+            value = os.environ.get(name)
+            if value:
+                node = data
+                for part in key_path[:-1]:
+                    node = node.setdefault(part, {})
+                node[key_path[-1]] = value
+                source[".".join(key_path)] = name
+        try:
+            return _validated(data, checks)
+        except ConfigError as exc:
+            raise ConfigError([_from_env(p, source) for p in exc.problems]) from exc
     try:
         text = resolved.read_text(encoding="utf-8")
     except OSError as exc:
@@ -582,9 +664,32 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError([f"{where}: not valid YAML: {problem}"]) from exc
     try:
-        return parse_settings(_expand_tree(data))
+        return _validated(_expand_tree(data), checks)
     except ConfigError as exc:
         raise ConfigError([_with_line(resolved, text, p) for p in exc.problems]) from exc
+
+
+def _validated(data: Any, checks: Callable[[Settings], list[str]] | None) -> Settings:
+    try:
+        settings = parse_settings(data)
+    except ConfigError as exc:
+        problems = list(exc.problems)
+        lenient = _lenient(data) if isinstance(data, dict) and checks is not None else None
+        if lenient is not None and checks is not None:
+            problems += [p for p in checks(lenient) if p not in problems]
+        raise ConfigError(problems) from exc
+    if checks is not None:
+        problems = checks(settings)
+        if problems:
+            raise ConfigError(problems)
+    return settings
+
+
+def _from_env(problem: str, source: dict[str, str]) -> str:
+    """A problem with a key set from the environment (no config file) names the variable."""
+    dotted = problem.partition(": ")[0]
+    name = source.get(dotted)
+    return f"{problem} (from ${name})" if name else problem
 
 
 def _with_line(path: Path, text: str, problem: str) -> str:

@@ -19,6 +19,8 @@ from gateway.config import Settings
 from gateway.transport import Endpoint, Timeouts, proxy_for
 
 KNOWN_UPSTREAMS = ("openai", "anthropic")  # the dialects route to these names only
+# The providers' own API hosts: never reached without a key (a local OpenAI-compatible server may be).
+PROVIDER_HOSTS = frozenset({"api.openai.com", "api.anthropic.com"})
 _WILDCARD = frozenset({"0.0.0.0", "::", ""})
 
 
@@ -72,6 +74,28 @@ def problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[
                 out.append(f"upstreams.{name}.base_url: {redact_url(up.base_url)} is the gateway's own address "
                            f"({listen[0]}:{listen[1]}); requests would loop through it; it must be "
                            "the provider's address")
+    return out
+
+
+def needs_key(base_url: str) -> bool:
+    """Does the upstream at `base_url` refuse every request without a key (a provider's own host)?"""
+    try:
+        return (URL(base_url).host or "").lower() in PROVIDER_HOSTS
+    except ValueError:
+        return False
+
+
+def warnings(settings: Settings) -> list[str]:
+    """What a config allows but a user most likely did not mean; `check-config` and `serve` say it."""
+    out = []
+    if settings.auth.keys:
+        for name, up in settings.upstreams.items():
+            if name in KNOWN_UPSTREAMS and not up.api_key:
+                tail = ("its requests without one are refused (401)" if needs_key(up.base_url)
+                        else "without one they go with no credential (as a local server may want)")
+                out.append(f"upstreams.{name}.api_key is unset while clients use gateway keys: a client reaches "
+                           f"{name} only with its own provider key sent apart from its gateway key (that one in "
+                           f"X-Gateway-Key); {tail}")
     return out
 
 

@@ -194,6 +194,14 @@ class Proxy:
         except AuthError as exc:
             raise GatewayError(401, None, str(exc)) from None
         rec.tenant = ident.tenant
+        upstream = self.upstreams[dialect.upstream]
+        if self.auth.required and upstream.needs_key and upstream.api_key is None and ident.credential is None:
+            # The key presented was the gateway's own, never forwarded: the provider would answer a 401
+            # that reads as if the gateway key were wrong.
+            raise GatewayError(401, None, f"no {upstream.name} API key to send upstream: the gateway has no "
+                               f"upstreams.{upstream.name}.api_key, and the key presented is a gateway key (never "
+                               f"forwarded); send your {upstream.name} key as the API key and the gateway key in "
+                               "X-Gateway-Key, or set the upstream's api_key")
         if not paths.forwardable(request.raw_path):
             raise GatewayError(400, None, "an encoded slash or a backslash in the path is not forwarded")
         remember = memory and self.hook is not None and not ident.anonymous
@@ -242,7 +250,6 @@ class Proxy:
             tap = UsageTap(strip=asked is not None)
             raw = asked or raw
 
-        upstream = self.upstreams[dialect.upstream]
         rec.provider = upstream.name
         out_headers = request_headers(headers, upstream.auth,
                                       keep_credentials=upstream.api_key is None and ident.credential is not None)

@@ -15,6 +15,7 @@ from yarl import URL
 
 from gateway.config import Settings, UpstreamSettings
 from gateway.dialects import dialect_for_upstream
+from gateway.preflight import needs_key
 from gateway.transport import Endpoint, Timeouts
 
 HOP_BY_HOP = frozenset({
@@ -42,6 +43,7 @@ class Upstream:
     api_key: str | None
     strip_v1: bool
     auth: Mapping[str, str]  # the configured key in this provider's header form (empty: forward the client's)
+    needs_key: bool = False  # the provider's own host: a request without any key is refused here, not there
 
     def target(self, path_qs: str) -> str:
         """The request target upstream for the client's raw (already encoded) path and query."""
@@ -60,6 +62,7 @@ def make_upstream(name: str, cfg: UpstreamSettings) -> Upstream:
         api_key=cfg.api_key,
         strip_v1=dialect.base_has_v1,
         auth=dialect.auth_headers(cfg.api_key) if cfg.api_key else {},
+        needs_key=needs_key(cfg.base_url),
     )
 
 

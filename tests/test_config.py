@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from gateway.config import ConfigError, Settings, load_settings
+from gateway.config import DEFAULT_ENV, ConfigError, Settings, load_settings
 
 SHIPPED = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
 ENV_VARS = ("GATEWAY_HOST", "GATEWAY_PORT", "GATEWAY_STORE_URL", "GATEWAY_OPENAI_BASE_URL",
@@ -111,3 +112,37 @@ def test_a_key_given_to_two_tenants_is_refused() -> None:
     with pytest.raises(ValidationError, match="two tenants"):
         Settings.model_validate({"auth": {"keys": [{"key": "sk-gw-shared-1", "tenant": "a"},
                                                    {"key": "sk-gw-shared-1", "tenant": "b"}]}})
+
+
+def test_without_a_config_file_the_shipped_yamls_variables_still_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no config file, the GATEWAY_* variables the shipped config/gateway.yaml reads are read the same
+    way (a user who set GATEWAY_OPENAI_BASE_URL to a local server must not reach the real provider); a
+    bad value names its variable. The table and the YAML name the same variables for the same keys."""
+    shipped = yaml.safe_load((Path(__file__).parent.parent / "config" / "gateway.yaml").read_text())
+
+    def reads(node: Any, path: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+        if isinstance(node, dict):
+            return {k: v for key, sub in node.items() for k, v in reads(sub, (*path, key)).items()}
+        found = re.findall(r"\$\{(GATEWAY_[A-Z_]+)", node) if isinstance(node, str) else []
+        return {name: path for name in found}
+
+    assert reads(shipped) == DEFAULT_ENV
+    monkeypatch.delenv("GATEWAY_CONFIG", raising=False)
+    for name in DEFAULT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert load_settings(None) == Settings()
+    monkeypatch.setenv("GATEWAY_STORE_URL", "redis://127.0.0.1:6390/0")
+    monkeypatch.setenv("GATEWAY_OPENAI_BASE_URL", "http://127.0.0.1:11434/v1")
+    monkeypatch.setenv("GATEWAY_PORT", "9099")
+    monkeypatch.setenv("GATEWAY_IN_PROCESS_WORKERS", "0")
+    monkeypatch.setenv("GATEWAY_HOST", "")  # empty: unset, as ${GATEWAY_HOST:-127.0.0.1} reads it
+    got = load_settings(None)
+    assert got.store.url == "redis://127.0.0.1:6390/0" and got.server.port == 9099
+    assert got.upstreams["openai"].base_url == "http://127.0.0.1:11434/v1"
+    assert got.upstreams["anthropic"].base_url == Settings().upstreams["anthropic"].base_url
+    assert got.memory.worker.in_process == 0 and got.server.host == "127.0.0.1"
+    monkeypatch.setenv("GATEWAY_PORT", "eighty")
+    with pytest.raises(ConfigError) as info:
+        load_settings(None)
+    first = info.value.problems[0]
+    assert first.startswith("server.port: ") and first.endswith("(from $GATEWAY_PORT)")

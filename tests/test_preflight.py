@@ -100,3 +100,29 @@ async def test_a_request_that_loops_back_gets_a_508_at_once(sdk: str) -> None:
         assert looped == 2  # the client's request and its one return; no retries, no 100 hops
     finally:
         await runner.cleanup()
+
+
+def test_check_config_names_every_mistake_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo and the mistakes seen only with keys read together come out in one run, each as file:line,
+    a near miss with the key it likely meant; not one more per fix."""
+    p = tmp_path / "g.yaml"
+    p.write_text("memory:\n  keep_recnet: 5\nupstreams:\n  openai:\n    base_url: http://127.0.0.1:9911\n"
+                 "  azure:\n    base_url: http://x/v1\n")
+    assert cli.main(["check-config", "--config", str(p)]) == 1
+    err = capsys.readouterr().err.splitlines()[1:]
+    assert err[0].strip() == f"{p}:2: memory.keep_recnet: unknown key (did you mean keep_recent?)"
+    assert err[1].strip().startswith(f"{p}:5: upstreams.openai.base_url: http://127.0.0.1:9911 does not end in /v1")
+    assert err[2].strip().startswith(f"{p}:6: upstreams.azure: unknown upstream")
+    assert len(err) == 3
+
+
+def test_check_config_warns_of_an_upstream_gateway_keys_leave_keyless(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Gateway keys and OpenAI's key only: the config is valid, but check-config says that Anthropic
+    requests need the client's own key beside its gateway key."""
+    p = tmp_path / "g.yaml"
+    p.write_text("upstreams:\n  openai:\n    api_key: sk-upstream-1\nauth:\n  keys: [gw-client-1]\n")
+    assert cli.main(["check-config", "--config", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "warning:    upstreams.anthropic.api_key is unset while clients use gateway keys" in out
+    assert "refused (401)" in out and "upstreams.openai.api_key is unset" not in out

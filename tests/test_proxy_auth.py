@@ -165,3 +165,30 @@ async def test_with_memory_off_the_conversation_api_is_a_404_and_responses_say_w
             assert r.status == 200
             assert r.headers["x-gateway-context"] == "passthrough"
             assert r.headers["x-gateway-reason"] == "memory-off"
+
+
+async def test_gateway_key_alone_never_reaches_a_provider_keyless(fake: FakeUpstream) -> None:
+    """Gateway keys with only OpenAI's key configured: an Anthropic call whose one key is the gateway key
+    has no Anthropic credential to send. At Anthropic's own host it gets the gateway's 401 saying so
+    (the provider's would read as a wrong gateway key); the OpenAI route still works. A local server
+    under the same config (one that may need no key) gets the request with no credential at all."""
+    keys = {"keys": [{"key": GATEWAY_KEY, "tenant": "team-a"}]}
+    settings = fake.settings(upstreams={"openai": {"api_key": UPSTREAM_OPENAI},
+                                        "anthropic": {"base_url": "https://api.anthropic.com"}}, auth=keys)
+    async with serve_app(create_app(settings, memory=False)) as url:
+        c = anthropic.AsyncAnthropic(base_url=url, api_key=GATEWAY_KEY, max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            await c.messages.create(model="m", max_tokens=8, messages=MESSAGES)
+        assert "upstreams.anthropic.api_key" in info.value.body["error"]["message"]
+        assert "X-Gateway-Key" in info.value.body["error"]["message"]
+        # Its own key sent apart from the gateway key goes through (to the host configured).
+        await openai.AsyncOpenAI(base_url=url + "/v1", api_key=GATEWAY_KEY, max_retries=0).chat.completions.create(
+            model="m", messages=MESSAGES)
+        assert fake.requests[-1].headers["Authorization"] == f"Bearer {UPSTREAM_OPENAI}"
+    local = fake.settings(upstreams={"openai": {"api_key": UPSTREAM_OPENAI}}, auth=keys)
+    async with serve_app(create_app(local, memory=False)) as url:
+        await anthropic.AsyncAnthropic(base_url=url, api_key=GATEWAY_KEY, max_retries=0).messages.create(
+            model="m", max_tokens=8, messages=MESSAGES)
+        got = fake.requests[-1].headers
+        assert "x-api-key" not in got and "Authorization" not in got
+    assert GATEWAY_KEY not in all_header_values(fake)
