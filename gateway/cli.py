@@ -36,7 +36,7 @@ def _load(path: str | None, host: str | None = None, port: int | None = None) ->
     def checks(settings: Settings) -> list[str]:
         return config_problems(settings, (host or settings.server.host, settings.server.port if port is None else port))
 
-    return load_settings(path, checks)
+    return load_settings(path, checks, environ=True)
 
 
 def _print_problems(exc: ConfigError) -> None:
@@ -57,7 +57,8 @@ def check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_problems(exc)
         return 1
-    used = [name for name in DEFAULT_ENV if os.environ.get(name)] if path is None else []
+    used = [name for name in DEFAULT_ENV if os.environ.get(name)
+            and not (name == "GATEWAY_PORT" and "://" in os.environ[name])] if path is None else []
     print(f"configuration OK ({path or 'built-in defaults'}{', with $' + ', $'.join(used) if used else ''})")
     print(f"  listen:     {settings.server.host}:{settings.server.port}")
     print(f"  store:      {redact_url(settings.store.url)}")
@@ -128,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         log.info("store", store=redact_url(store_url))
     for warning in preflight.warnings(settings):
-        log.warning("config_warning", message=warning)
+        log.info("config_note", message=warning)  # (a documented setup: check-config is where it warns)
     if offload is not None:
         _offload(app, offload)
     loop = _install_event_loop()

@@ -576,6 +576,8 @@ def _keys_at(path: tuple[Any, ...]) -> list[str]:
             node = field.annotation
         elif get_origin(node) is dict:
             node = get_args(node)[1]
+        elif get_origin(node) is list:
+            node = get_args(node)[0]
         else:
             return []
         if get_origin(node) is Union:  # `X | None`
@@ -584,18 +586,26 @@ def _keys_at(path: tuple[Any, ...]) -> list[str]:
 
 
 def _lenient(data: dict[str, Any]) -> Settings | None:
-    """The settings with each wrong key left at its default, so the checks that read keys together can
-    still run and `check-config` names every mistake at once; None when that cannot be had."""
+    """The settings without the unknown keys, so the checks that read keys together still run and
+    `check-config` names every mistake at once; None when another error is there too (a wrong value
+    left at its default would have the checks report what is not so: "auth.keys: required" for keys
+    that are there but too short)."""
     data = copy.deepcopy(data)
-    for _ in range(8):
+    while True:
         try:
             return Settings.model_validate(data)
         except ValidationError as exc:
-            if not any(_drop(data, err["loc"]) for err in exc.errors()):
+            errors = exc.errors()
+            if any(err["type"] != "extra_forbidden" for err in errors):
+                return None
+            # Deepest and highest list positions first, so that no removal shifts another's place.
+            locs = sorted((err["loc"] for err in errors), key=lambda loc: [(1, p) if isinstance(p, int)
+                                                                          else (0, str(p)) for p in loc],
+                          reverse=True)
+            if not sum(_drop(data, loc) for loc in locs):
                 return None
         except ValueError:
             return None
-    return None
 
 
 def _drop(data: Any, loc: tuple[Any, ...]) -> bool:
@@ -632,17 +642,20 @@ def resolve_path(path: str | os.PathLike[str] | None) -> Path | None:
 
 
 def load_settings(path: str | os.PathLike[str] | None = None,
-                  checks: Callable[[Settings], list[str]] | None = None) -> Settings:
-    """Settings from `path`, else from $GATEWAY_CONFIG, else the built-in defaults (with the variables of
-    `DEFAULT_ENV`). `checks`: problems seen only with the keys read together; reported with the schema's
-    own, all at once (a wrong key is left at its default for them)."""
+                  checks: Callable[[Settings], list[str]] | None = None, *, environ: bool = False) -> Settings:
+    """Settings from `path`, else from $GATEWAY_CONFIG, else the built-in defaults (`environ`: with the
+    variables of `DEFAULT_ENV`, for the commands that run a deployment: not `eval`, whose replay must not
+    reach the store a shell's GATEWAY_STORE_URL names). `checks`: problems seen only with the keys read
+    together, reported with the schema's own, all at once (an unknown key left out for them)."""
     resolved = resolve_path(path)
     if resolved is None:
         data: dict[str, Any] = {}
         source: dict[str, str] = {}
-        for name, key_path in DEFAULT_ENV.items():
+        for name, key_path in DEFAULT_ENV.items() if environ else ():
             value = os.environ.get(name)
-            if value:
+            # Kubernetes gives every pod GATEWAY_PORT=tcp://10.0.0.7:80 when a Service named "gateway"
+            # exists: an address, not a port to listen on.
+            if value and not (name == "GATEWAY_PORT" and "://" in value):
                 node = data
                 for part in key_path[:-1]:
                     node = node.setdefault(part, {})

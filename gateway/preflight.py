@@ -80,9 +80,10 @@ def problems(settings: Settings, listen: tuple[str, int] | None = None) -> list[
 def needs_key(base_url: str) -> bool:
     """Does the upstream at `base_url` refuse every request without a key (a provider's own host)?"""
     try:
-        return (URL(base_url).host or "").lower() in PROVIDER_HOSTS
+        host = (URL(base_url).host or "").lower().rstrip(".")
     except ValueError:
         return False
+    return any(host == h or host.endswith("." + h) for h in PROVIDER_HOSTS)  # (eu.api.openai.com too)
 
 
 def warnings(settings: Settings) -> list[str]:

@@ -195,6 +195,7 @@ class Proxy:
             raise GatewayError(401, None, str(exc)) from None
         rec.tenant = ident.tenant
         upstream = self.upstreams[dialect.upstream]
+        rec.provider = upstream.name
         if self.auth.required and upstream.needs_key and upstream.api_key is None and ident.credential is None:
             # The key presented was the gateway's own, never forwarded: the provider would answer a 401
             # that reads as if the gateway key were wrong.
@@ -250,7 +251,6 @@ class Proxy:
             tap = UsageTap(strip=asked is not None)
             raw = asked or raw
 
-        rec.provider = upstream.name
         out_headers = request_headers(headers, upstream.auth,
                                       keep_credentials=upstream.api_key is None and ident.credential is not None)
         out_headers.append((HOP_HEADER, f"{hops}, {self.hop_id}" if hops else self.hop_id))

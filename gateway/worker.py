@@ -568,7 +568,7 @@ def start_workers(store: Store, settings: Settings, summarizer: fold.Summarizer,
 def main(args: Any) -> int:
     """`gateway worker [--config PATH]`: run `memory.worker.concurrency` workers until SIGINT/SIGTERM."""
     try:
-        settings = load_settings(getattr(args, "config", None))
+        settings = load_settings(getattr(args, "config", None), environ=True)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"config: {problem}")

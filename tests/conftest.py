@@ -19,6 +19,16 @@ import pytest
 import redis.asyncio as aioredis
 
 
+@pytest.fixture(autouse=True)
+def _no_deployment_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer's shell set up for a deployment (GATEWAY_STORE_URL, GATEWAY_PORT, ...) must not reach
+    the gateways the tests start without a config file."""
+    from gateway.config import DEFAULT_CONFIG_ENV, DEFAULT_ENV
+
+    for name in (*DEFAULT_ENV, DEFAULT_CONFIG_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -127,22 +127,24 @@ def test_without_a_config_file_the_shipped_yamls_variables_still_apply(monkeypat
         return {name: path for name in found}
 
     assert reads(shipped) == DEFAULT_ENV
-    monkeypatch.delenv("GATEWAY_CONFIG", raising=False)
-    for name in DEFAULT_ENV:
-        monkeypatch.delenv(name, raising=False)
-    assert load_settings(None) == Settings()
+    assert load_settings(None, environ=True) == Settings()
     monkeypatch.setenv("GATEWAY_STORE_URL", "redis://127.0.0.1:6390/0")
     monkeypatch.setenv("GATEWAY_OPENAI_BASE_URL", "http://127.0.0.1:11434/v1")
     monkeypatch.setenv("GATEWAY_PORT", "9099")
     monkeypatch.setenv("GATEWAY_IN_PROCESS_WORKERS", "0")
     monkeypatch.setenv("GATEWAY_HOST", "")  # empty: unset, as ${GATEWAY_HOST:-127.0.0.1} reads it
-    got = load_settings(None)
+    got = load_settings(None, environ=True)
     assert got.store.url == "redis://127.0.0.1:6390/0" and got.server.port == 9099
     assert got.upstreams["openai"].base_url == "http://127.0.0.1:11434/v1"
     assert got.upstreams["anthropic"].base_url == Settings().upstreams["anthropic"].base_url
     assert got.memory.worker.in_process == 0 and got.server.host == "127.0.0.1"
+    # `gateway eval` loads without them: a replay never writes to a deployment's store.
+    assert load_settings(None) == Settings()
+    # Kubernetes' service link for a Service named "gateway" is an address, not a port: not read.
+    monkeypatch.setenv("GATEWAY_PORT", "tcp://10.0.0.7:80")
+    assert load_settings(None, environ=True).server.port == Settings().server.port
     monkeypatch.setenv("GATEWAY_PORT", "eighty")
     with pytest.raises(ConfigError) as info:
-        load_settings(None)
+        load_settings(None, environ=True)
     first = info.value.problems[0]
     assert first.startswith("server.port: ") and first.endswith("(from $GATEWAY_PORT)")

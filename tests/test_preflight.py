@@ -11,7 +11,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway import cli
+from gateway import cli, preflight
 from gateway.app import METRICS, create_app
 from gateway.config import parse_settings
 
@@ -126,3 +126,32 @@ def test_check_config_warns_of_an_upstream_gateway_keys_leave_keyless(tmp_path: 
     out = capsys.readouterr().out
     assert "warning:    upstreams.anthropic.api_key is unset while clients use gateway keys" in out
     assert "refused (401)" in out and "upstreams.openai.api_key is unset" not in out
+
+
+def test_every_unknown_key_is_named_and_a_wrong_value_is_not_taken_for_another_mistake(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nine unknown keys (one in a list entry) and an unknown upstream: all ten named in one run. A wrong
+    value is not replaced by its default for the checks of keys read together: keys that are there but
+    too short do not also read as "auth.keys: required"."""
+    typos = "".join(f"  typo_{i}: 1\n" for i in range(8))
+    p = tmp_path / "g.yaml"
+    p.write_text(f"memory:\n{typos}auth:\n  keys:\n    - {{key: gw-client-key-0001, tenant: a, tenants: b}}\n"
+                 "upstreams:\n  azure:\n    base_url: http://x/v1\n")
+    assert cli.main(["check-config", "--config", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert all(f"memory.typo_{i}: unknown key" in err for i in range(8))
+    assert "auth.keys.0.tenants: unknown key (did you mean tenant?)" in err
+    assert "upstreams.azure: unknown upstream" in err
+    p.write_text("upstreams:\n  openai:\n    api_key: sk-upstream-1\nauth:\n  keys: [short]\n")
+    assert cli.main(["check-config", "--config", str(p)]) == 1
+    err = capsys.readouterr().err
+    assert "auth.keys" in err and "required when" not in err
+
+
+def test_provider_hosts_need_a_key() -> None:
+    """The providers' own hosts, however spelled, refuse a keyless request; other hosts may not."""
+    for url in ("https://api.openai.com/v1", "https://API.OpenAI.com./v1", "https://eu.api.openai.com/v1",
+                "https://api.anthropic.com"):
+        assert preflight.needs_key(url), url
+    for url in ("http://localhost:11434/v1", "https://api.openai.com.example.org/v1", "https://notapi.openai.com/v1"):
+        assert not preflight.needs_key(url), url

@@ -3,6 +3,7 @@ tenants; and never a credential in the logs."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,7 @@ import openai
 import pytest
 
 from gateway import logs
-from gateway.app import create_app
+from gateway.app import PROXY, create_app
 from gateway.auth import ANONYMOUS, Authenticator, AuthError, tenant_for
 from gateway.testing import FakeUpstream, serve_app
 
@@ -181,10 +182,24 @@ async def test_gateway_key_alone_never_reaches_a_provider_keyless(fake: FakeUpst
             await c.messages.create(model="m", max_tokens=8, messages=MESSAGES)
         assert "upstreams.anthropic.api_key" in info.value.body["error"]["message"]
         assert "X-Gateway-Key" in info.value.body["error"]["message"]
-        # Its own key sent apart from the gateway key goes through (to the host configured).
+        assert fake.requests == []
+        # The OpenAI route has the gateway's own key.
         await openai.AsyncOpenAI(base_url=url + "/v1", api_key=GATEWAY_KEY, max_retries=0).chat.completions.create(
             model="m", messages=MESSAGES)
         assert fake.requests[-1].headers["Authorization"] == f"Bearer {UPSTREAM_OPENAI}"
+    # A provider's host (here the fake, taken for one): the client's own key, sent apart from the
+    # gateway key, goes through.
+    app = create_app(fake.settings(upstreams={"openai": {"api_key": UPSTREAM_OPENAI}}, auth=keys), memory=False)
+    proxy = app[PROXY]
+    proxy.upstreams["anthropic"] = dataclasses.replace(proxy.upstreams["anthropic"], needs_key=True)
+    async with serve_app(app) as url:
+        c = anthropic.AsyncAnthropic(base_url=url, api_key="sk-ant-own-1", max_retries=0,
+                                     default_headers={"X-Gateway-Key": GATEWAY_KEY})
+        await c.messages.create(model="m", max_tokens=8, messages=MESSAGES)
+        assert fake.requests[-1].headers["Authorization"] == "Bearer sk-ant-own-1"  # (anthropic >= 2: Bearer)
+        with pytest.raises(anthropic.AuthenticationError):
+            await anthropic.AsyncAnthropic(base_url=url, api_key=GATEWAY_KEY, max_retries=0).messages.create(
+                model="m", max_tokens=8, messages=MESSAGES)
     local = fake.settings(upstreams={"openai": {"api_key": UPSTREAM_OPENAI}}, auth=keys)
     async with serve_app(create_app(local, memory=False)) as url:
         await anthropic.AsyncAnthropic(base_url=url, api_key=GATEWAY_KEY, max_retries=0).messages.create(
