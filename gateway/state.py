@@ -546,6 +546,19 @@ _NOT_PRODUCT = frozenset((
     "eod", "eow", "eom", "asap", "tbd", "english", "spanish", "french", "german", "italian", "portuguese",
     "dutch", "russian", "chinese", "mandarin", "japanese", "korean", "arabic", "hindi", "hebrew", "turkish",
     "polish", "swedish", "plan", "phase", "option", "step", "stage", "tier", "level", "part", "chapter", "version",
+    # People get work switched to them ("let's switch the review to Alice"): common first names, less those
+    # that are also a product's (Ruby, Julia, Ada, Jenkins).
+    "alice", "bob", "carol", "dave", "david", "eve", "frank", "grace", "heidi", "ivan", "judy", "mallory", "oscar",
+    "peggy", "trent", "victor", "walter", "james", "john", "robert", "michael", "william", "richard", "joseph",
+    "thomas", "charles", "chris", "christopher", "daniel", "matthew", "anthony", "mark", "paul", "steven", "andrew",
+    "kevin", "brian", "george", "tim", "timothy", "ed", "edward", "jason", "jeff", "ryan", "jacob", "gary", "eric",
+    "jonathan", "stephen", "larry", "justin", "scott", "brandon", "ben", "benjamin", "sam", "samuel", "greg",
+    "alex", "patrick", "jack", "dennis", "jerry", "tyler", "aaron", "jose", "adam", "nathan", "henry", "pete",
+    "peter", "zach", "kyle", "noah", "ethan", "mary", "patricia", "jennifer", "linda", "elizabeth", "barbara",
+    "susan", "jessica", "sarah", "karen", "lisa", "nancy", "betty", "sandra", "margaret", "ashley", "kim",
+    "kimberly", "emily", "donna", "michelle", "amanda", "melissa", "deborah", "stephanie", "rebecca",
+    "sharon", "laura", "cynthia", "amy", "angela", "anna", "emma", "olivia", "sophia", "mia", "maria", "priya",
+    "raj", "wei", "li", "chen", "yuki", "omar", "fatima", "ahmed", "sofia", "lucas", "leo", "liam", "nina", "tom",
 ))
 _MOVE_VERB = re.compile(r"mov", re.IGNORECASE)
 
@@ -608,7 +621,8 @@ _PREFERENCE = Pattern(r"\bi\s+(?:(?:now|actually|really|still|also)\s+)?(?:prefe
                       caseless=True)
 # "I'd like to know more about X", "I want to try making kimchi": a request of the moment, not a
 # taste that lasts. Cut out before a preference is looked for; "I want to keep functions short" stays.
-_REQUEST = re.compile(r"\bi(?:\s+(?:just\s+|really\s+)?want|['’]d\s+(?:really\s+)?like|\s+would\s+like)\s+to\s+"
+_REQUEST = re.compile(r"\bi(?:\s+(?:(?:just|really|also|still|now|actually)\s+)?want|['’]d\s+(?:really\s+)?like"
+                      r"|\s+would\s+like)\s+to\s+"
                       r"(?!keep\b|use\b|avoid\b|stick\b|stay\b|limit\b|prioriti[sz]e\b|minimi[sz]e\b)",
                       re.IGNORECASE)
 # "... not working as well as I'd like", "more than I'd like": a measure, not a wish.
@@ -647,7 +661,9 @@ _NAME = Pattern(r"\b(?i:my\s+name\s+is|call\s+me|I\s+am\s+called)\s+([A-Z][\w'-]
 _TECH = Pattern(r"\b(?:python|fastapi|django|flask|postgres(?:ql)?|mysql|sqlite|redis|kafka|rabbitmq|react"
                 r"|vue|svelte|angular|typescript|javascript|node(?:\.js)?|rust|golang|java|kotlin|swift"
                 r"|docker|kubernetes|k8s|terraform|aws|gcp|azure|graphql|grpc|mongodb|elasticsearch"
-                r"|nginx|celery|aiohttp|pydantic|pytest|next\.js|tailwind)\b", caseless=True)
+                r"|nginx|celery|aiohttp|pydantic|pytest|next\.js|tailwind|vercel|netlify|heroku|cloudflare"
+                r"|supabase|firebase|digitalocean|dynamodb|clickhouse|bigquery|airflow|prisma|sequelize|mongoose"
+                r"|nestjs|laravel|fastify|deno|pnpm|webpack|vite|gitlab|github|bitbucket)\b", caseless=True)
 # Every alternative holds a digit or a "/"; the last one tries [a-z][a-z0-9]+ from every word.
 _DIGIT_OR_SLASH = re.compile(r"[\d/]")
 _FACT_VALUE = Pattern(r"\b\d{4}-\d{2}-\d{2}\b|\bport\s+\d+|\bv?\d+\.\d+(?:\.\d+)+\b|(?:^|\s)[~/][\w.-]+/[\w./-]+"

@@ -107,6 +107,10 @@ def test_a_move_to_another_product_is_a_decision_and_replaces_what_it_leaves() -
     ("Let's switch to Plan B.", False),
     ("We're migrating to the new office in March.", False),
     ("Let's switch to dark mode.", False),
+    ("We'll switch the review to Alice.", False),
+    ("Let's migrate the on-call rotation to Priya.", False),
+    ("We're moving to Vercel.", True),
+    ("Let's migrate the auth to Supabase.", True),
 ])
 def test_a_move_to_a_product_named_in_capitals_is_a_decision(said: str, decides: bool) -> None:
     """A switch or migration to a product spelled like any proper name or acronym ("Aurora", "Go",
@@ -422,10 +426,13 @@ def test_a_decision_changed_twice_shows_the_latest_with_its_history() -> None:
     "The call gives me an error that says the token must be refreshed.",
     "For example, if the PDF cannot be opened, I want to display a user-friendly error message.",
     "For this example, let's use AWS Secrets Manager to store the key.",
+    "I also want to filter out the inactive users.",
+    "I still want to add pagination to this endpoint.",
 ])
 def test_questions_greetings_and_complaints_are_never_state(text: str) -> None:
-    """Sentences that ask, greet, complain, report an error or give an example hold the words of a
-    constraint or a decision, but state nothing: no state item comes of them."""
+    """Sentences that ask, greet, complain, report an error, give an example or ask for one thing now
+    ("I also want to filter out ...") hold the words of a constraint, a decision or a preference, but
+    state nothing: no state item comes of them."""
     ledger = state.extract(state.Ledger(), [turn("user", text)], 0)
     assert list(ledger.all_items()) == []
 
