@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import state
+from gateway import paths, state
 from gateway.activity import Activity
 from gateway.auth import Authenticator, AuthError, presented_credential
 from gateway.keys import ConvRef
@@ -108,8 +108,8 @@ class ConversationAPI:
 
     def _ref(self, request: web.Request) -> ConvRef:
         conv = request.match_info["conversation"]
-        project = next((request.headers[h] for h in self.settings.conversation.project_headers
-                        if request.headers.get(h)), None)
+        project = next((paths.conversation_id(request.headers[h]) for h in self.settings.conversation.project_headers
+                        if request.headers.get(h)), None)  # (as the memory path reads it: bytes not UTF-8 as %XX)
         who = self.caller(request)
         if who.tenant is None:
             raise GatewayError(400, "invalid_request_error",

@@ -14,6 +14,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from yarl import URL
 
 from gateway import api, dashboard, paths
@@ -24,7 +25,7 @@ from gateway.logs import get_logger
 from gateway.memory import Memory
 from gateway.metrics import Metrics
 from gateway.offload import Called, NotRelayed, Offload
-from gateway.proxy import BODY_DEADLINE, PRELUDE, RECORD, GatewayError, MemoryHook, Proxy, Record
+from gateway.proxy import BODY_DEADLINE, PRELUDE, RECORD, GatewayError, MemoryHook, Proxy, Record, unreadable_body
 from gateway.store import Store, open_store
 from gateway.summarizer import build_summarizer
 from gateway.tokens import TokenCounter
@@ -128,6 +129,11 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
         rec.status = 499  # client closed the connection
         _finish(request.app, rec)
         raise
+    except ConnectionResetError:
+        # The client left while its body was read (aiohttp raises this to the reader, not a cancel):
+        # nothing to answer, and no error of the gateway's.
+        rec.status = 499
+        response = web.Response(status=400)
     except Exception:
         request.app[LOG].exception("unhandled_error", route=rec.route, method=rec.method)
         response = _error_response(request, 500, "internal gateway error")
@@ -179,6 +185,12 @@ async def _offloaded(request: web.Request, offload: Offload) -> web.StreamRespon
     except TimeoutError:
         request[RECORD].route = "offload"  # (logged and counted here: no handler ran)
         raise GatewayError(408, None, f"the request body did not arrive within {seconds:g} s") from None
+    except RequestPayloadError as exc:
+        request[RECORD].route = "offload"
+        raise unreadable_body(exc) from None
+    except ConnectionResetError:
+        request[RECORD].route = "offload"  # the client left mid-body: its 499, logged and counted here
+        raise
 
 
 def _finish(app: web.Application, rec: Record) -> None:

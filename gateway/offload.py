@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -57,6 +58,10 @@ _CALL_NAME = re.compile(r"[0-9a-f]{32}")
 # (app key: the directory the sibling's call marks go to; set in the offload process only)
 MARKS: web.AppKey[str] = web.AppKey("offload_marks", str)
 _OWN = frozenset(("date", "server"))
+# The answer's headers about this hop. Not its Content-Encoding: the relay passes the body as it came
+# (a provider that compressed it despite being asked not to), so the client must still be told.
+_HOP_RESPONSE = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+                           "upgrade", "content-length"))
 _RESTART_DELAYS = (0.5, 2.0, 10.0)  # seconds before each restart after a crash (then the last, again)
 _READY_SECONDS = 60.0
 _WATCH_MISSES = 3  # unanswered in a row: the sibling is killed and another started
@@ -241,10 +246,11 @@ class Offload:
         # failure it is stopped and what it read is known: the request is then served here from it.
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
         expired = answered = False
+        failed: BaseException | None = None  # the client's body could not be read (corrupt, or it left)
         relaying = asyncio.current_task()
 
         async def pump() -> None:
-            nonlocal expired
+            nonlocal expired, failed
             size = sum(map(len, read))
             try:
                 async with asyncio.timeout_at(deadline):
@@ -254,9 +260,13 @@ class Offload:
                         await queue.put(chunk)
                         if size > self.max_body:
                             break  # the sibling answers its 413 for this much; the rest is never read
-            except TimeoutError:
+            except (TimeoutError, RequestPayloadError, ConnectionResetError) as exc:
+                # The sibling would wait for the rest until its own body timeout: the relay stops now.
                 if not answered:
-                    expired = True
+                    if isinstance(exc, TimeoutError):
+                        expired = True
+                    else:
+                        failed = exc
                     if relaying is not None:
                         relaying.cancel()
                 return
@@ -297,8 +307,10 @@ class Offload:
         except asyncio.CancelledError:
             await _stopped(reader)
             _still_pending(mark)
-            if expired and relaying is not None:
+            if (expired or failed is not None) and relaying is not None:
                 relaying.uncancel()
+                if failed is not None:
+                    raise failed from None
                 raise TimeoutError from None
             raise
         # The sibling answers once it has read the body (or refused it): what the client still
@@ -313,7 +325,7 @@ class Offload:
     async def _answer(self, request: web.Request, up: aiohttp.ClientResponse) -> web.StreamResponse:
         response = web.StreamResponse(status=up.status, reason=up.reason)
         for name, value in up.headers.items():
-            if name.lower() not in _HOP and name.lower() not in _OWN:
+            if name.lower() not in _HOP_RESPONSE and name.lower() not in _OWN:
                 response.headers.add(name, value)
         if up.content_length is not None:
             response.content_length = up.content_length
@@ -391,7 +403,8 @@ def _hop(request: web.Request) -> frozenset[str]:
 
 async def _stopped(task: asyncio.Task[None]) -> None:
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    # (What the body's reader met is the relay's to report: it ends on its own with a note of it.)
+    with contextlib.suppress(asyncio.CancelledError, RequestPayloadError, ConnectionResetError):
         await task
 
 

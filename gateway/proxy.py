@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDictProxy
 
 from gateway import paths
@@ -136,9 +137,18 @@ async def read_body(request: web.Request, seconds: float, max_bytes: int) -> byt
                 chunks.append(chunk)
     except TimeoutError:
         raise GatewayError(408, None, f"the request body did not arrive within {seconds:g} s") from None
+    except RequestPayloadError as exc:
+        raise unreadable_body(exc) from None
     if len(chunks) == 1:
         return chunks[0]
     return await asyncio.to_thread(b"".join, chunks) if size > JOIN_OFF_LOOP else b"".join(chunks)
+
+
+def unreadable_body(exc: RequestPayloadError) -> GatewayError:
+    """The 400 for a body aiohttp could not read: a corrupt Content-Encoding, a broken chunked encoding."""
+    why = str(exc.__cause__ or exc).replace("\n", " ").strip()
+    return GatewayError(400, None, f"the request body could not be read (its Content-Encoding or chunked "
+                        f"encoding is corrupt): {why[:200]}")
 
 
 def upstream_error(exc: UpstreamError, prepared: Prepared | None = None) -> GatewayError:

@@ -3,11 +3,14 @@ memory path does, and its edits reach the next forwarded request."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import json
 from typing import Any
 
 import pytest
 from memory_helpers import (
+    KEY,
     Chat,
     Gateway,
     gw,  # noqa: F401 (fixture)
@@ -260,3 +263,46 @@ async def test_a_state_edit_is_bounded_and_repeated_edits_do_not_grow_the_state(
 def _word(seed: str) -> str:
     """A made-up word of letters only (a digit in it would make two statements one, updated)."""
     return "".join(chr(ord("a") + int(c, 16)) for c in hashlib.sha256(seed.encode()).hexdigest()[:8])
+
+
+async def _raw(url: str, method: str, path: str, headers: dict[str, bytes], body: Any = None) -> tuple[int, Any]:
+    """A request whose header values go as the bytes given (an HTTP client encodes them as text)."""
+    host, port = url.rsplit("/", 1)[1].split(":")
+    data = json.dumps(body).encode() if body is not None else b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nContent-Length: {len(data)}\r\n"
+    raw = head.encode() + b"".join(k.encode() + b": " + v + b"\r\n" for k, v in headers.items()) + b"\r\n" + data
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(raw)
+    answer = await reader.read()
+    writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+async def test_a_project_header_of_bytes_not_utf8_reads_and_edits_its_project(gw: Gateway) -> None:  # noqa: F811
+    """X-Project-Id bytes that are not UTF-8 name the same project in the conversation API as on the
+    memory path (as %XX): reading and editing the state answer 200 (they were 500s, after the edit was
+    written under another key), and the edit reaches the conversation's next request."""
+    gw.fake.responder = reply_text
+    headers = {"Authorization": f"Bearer {KEY}".encode(), "X-Project-Id": b"\xff\xfe",
+               "Content-Type": b"application/json"}
+    msgs: list[dict[str, Any]] = []
+
+    async def turn(i: int) -> None:
+        msgs.append({"role": "user", "content": user_text(i)})
+        status, body = await _raw(gw.url, "POST", "/v1/chat/completions",
+                                  {**headers, "X-Conversation-Id": b"bytes-proj"},
+                                  {"model": "gpt-4o", "messages": msgs})
+        assert status == 200, body
+        msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        await gw.settle()
+
+    for i in range(6):
+        await turn(i)
+    status, body = await _raw(gw.url, "GET", "/gateway/conversations/bytes-proj", headers)
+    assert status == 200 and body["project"] == "%FF%FE", body
+    status, body = await _raw(gw.url, "PUT", "/gateway/conversations/bytes-proj/state", headers,
+                              {"decisions": ["Ship on the Moon base"]})
+    assert status == 200, body
+    await turn(6)
+    assert "Ship on the Moon base" in str(gw.last("/chat/completions").body)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -448,3 +449,82 @@ def test_merged_metrics_add_every_sample_once() -> None:
                for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     assert samples[("gateway_requests_total", (*base, ("status", "200")))] == 6
     assert samples[("gateway_unrecorded_pending", ())] == 0
+
+
+async def _raw_post(port: int, head: bytes, parts: list[tuple[float, bytes]], hang_up: bool) -> bytes:
+    """A POST written by hand: each part after its delay; then the answer, or a hang-up mid-body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    for delay, part in parts:
+        await asyncio.sleep(delay)
+        writer.write(part)
+        await writer.drain()
+    if hang_up:
+        await asyncio.sleep(0.3)
+        writer.close()
+        return b""
+    try:
+        return await asyncio.wait_for(reader.read(), 30)
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_cannot_be_read_is_a_400_or_a_499_and_leaves_no_mark(tmp_path: Path,
+                                                                               redis_process: RedisProcess) -> None:
+    """Corrupt gzip in a request body, at once or after 100 KB of good data (relayed by then): a prompt
+    400 in the caller's format, not a 500 nor a wait for the offload process's body timeout. A client
+    that hangs up mid-body (declared length or chunked): a 499 in the log, no unhandled error. Neither
+    leaves a relay's call mark behind, nor reaches the provider."""
+    async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw:
+        port = int(gw.url.rsplit(":", 1)[1])
+        marks = os.path.dirname(_socket_of(await gw.offload_pid()))
+        raw = json.dumps({"model": "gpt-4o", "messages": [
+            {"role": "user", "content": "hi " + "".join(f"{i:07d}" for i in range(60_000))}]}).encode()
+        z = zlib.compressobj(6, zlib.DEFLATED, 31)
+        good = z.compress(raw[:100_000]) + z.flush(zlib.Z_SYNC_FLUSH)
+        bad = b"\xff" * 64 + b"garbage" * 1000
+        for parts in ([(0, b"\x1f\x8b\x08\x00" + b"garbage-not-deflate" * 10)], [(0, good), (0.5, bad)]):
+            size = sum(len(p) for _, p in parts)
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nX-Conversation-Id: bad-gz\r\n"
+                    + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % size)
+            t0 = time.monotonic()
+            answer = await _raw_post(port, head, parts, hang_up=False)
+            assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+            assert time.monotonic() - t0 < 10
+            error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+            assert error["type"] == "invalid_request_error" and "could not be read" in error["message"]
+        for chunked in (False, True):
+            body = json.dumps({"model": "gpt-4o", "messages": _history(11, 12_000)}).encode()
+            framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body)
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                    + b"\r\nContent-Type: application/json\r\nX-Conversation-Id: left\r\n" + framing + b"\r\n\r\n")
+            part = body[:len(body) // 2]
+            await _raw_post(port, head, [(0, b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)], hang_up=True)
+        def relayed(status: int) -> list[dict[str, Any]]:  # (the relay's own lines: no conversation read yet)
+            return [ln for ln in gw.lines() if ln.get("event") == "request" and ln.get("route") == "offload"
+                    and ln.get("process_role") is None and ln["status"] == status]
+
+        assert await _eventually(lambda: len(relayed(499)) == 2)
+        assert len(relayed(400)) == 2 and all(ln["status"] == 499 for ln in gw.requests("left"))
+        assert not [ln for ln in gw.lines() if ln.get("event") == "unhandled_error"]
+        assert [n for n in os.listdir(marks) if n.startswith("pending-")] == []
+        assert fake.requests == []
+
+
+async def test_a_compressed_answer_keeps_its_content_encoding_when_relayed(tmp_path: Path,
+                                                                          redis_process: RedisProcess) -> None:
+    """A provider that compresses its answer although asked not to (in an encoding the gateway does not
+    decode): the bytes go to the client as they came, and so must their Content-Encoding, whether the
+    request was relayed or not."""
+    async with FakeUpstream(reply="ok", extra_headers={"Content-Encoding": "br"}) as fake, \
+            gateway(tmp_path, redis_process, fake) as gw, aiohttp.ClientSession(auto_decompress=False) as http:
+        seen = []
+        for n in (11, 1):  # over the threshold (relayed), then under it
+            async with http.post(gw.url + "/v1/chat/completions", json={"model": "gpt-4o",
+                                                                        "messages": _history(n, 12_000)},
+                                 headers={"Authorization": f"Bearer {KEY}"}) as r:
+                seen.append((r.headers.get("Content-Encoding"), await r.read()))
+        assert [encoding for encoding, _ in seen] == ["br", "br"]
+        assert [json.loads(body)["choices"][0]["message"]["content"] for _, body in seen] == ["ok", "ok"]
+        assert len(fake.requests) == 2

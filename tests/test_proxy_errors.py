@@ -272,3 +272,15 @@ async def test_upstream_unreachable_still_says_what_memory_would_have_forwarded(
     assert status == 502 and openai_shaped(err)
     assert headers["x-gateway-context"] == "full" and headers["x-gateway-reason"] == "under-threshold"
     assert int(headers["x-gateway-tokens-original"]) > 0
+
+
+@pytest.mark.parametrize(("path", "headers", "shaped"), [
+    ("/v1/chat/completions", {}, openai_shaped), ("/v1/messages", ANTHROPIC, anthropic_shaped)])
+async def test_a_corrupt_compressed_body_is_a_400(gateway: str, fake: FakeUpstream, path: str,
+                                                 headers: dict[str, str], shaped: Any) -> None:
+    """A body whose gzip cannot be decoded is the client's mistake: a 400 in its dialect, not a 500."""
+    status, _, body = await call(gateway + path, data=b"\x1f\x8b\x08\x00" + b"garbage-not-deflate" * 10,
+                                 headers={**JSON, **headers, "Content-Encoding": "gzip", "X-Conversation-Id": "gz"})
+    assert status == 400 and shaped(body), body
+    assert "could not be read" in body["error"]["message"]
+    assert fake.requests == []
