@@ -187,7 +187,8 @@ def _serve_offloaded(settings: Settings, path: str) -> int:
 async def _serve_unix(app: web.Application, limits: ServerSettings, path: str) -> None:
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                            keepalive_timeout=limits.keepalive_timeout_seconds,
-                           max_line_size=listener.MAX_REQUEST_LINE, shutdown_timeout=limits.shutdown_grace_seconds)
+                           max_line_size=listener.MAX_REQUEST_LINE,
+                           shutdown_timeout=listener.runner_timeout(limits.shutdown_grace_seconds))
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

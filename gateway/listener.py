@@ -168,6 +168,13 @@ class Guarded(asyncio.Protocol):
 MAX_REQUEST_LINE = 32 << 10
 
 
+def runner_timeout(grace: float) -> float:
+    """aiohttp's `shutdown_timeout` for a grace period of `grace`: it waits that long for a request in
+    flight, then cancels it and waits as long again, and a handler waiting on its upstream does not see
+    that cancel (it cancels the request's body, already read), so requests were cut at twice the grace."""
+    return grace / 2
+
+
 async def start(app: web.Application, limits: ServerSettings, host: str, port: int,
                 *, handler_cancellation: bool = True) -> tuple[web.AppRunner, asyncio.Server]:
     """Serve `app` on host:port with `limits`; the caller cleans up the runner and closes the server."""
@@ -176,8 +183,8 @@ async def start(app: web.Application, limits: ServerSettings, host: str, port: i
                            # A search of 1,000 non-Latin characters is a 9-12 KB request line once
                            # percent-encoded: past aiohttp's 8,190 bytes it got a plain-text 400.
                            max_line_size=MAX_REQUEST_LINE,
-                           # SIGTERM: in-flight requests and streams get this long (gateway/shutdown.py).
-                           shutdown_timeout=limits.shutdown_grace_seconds)
+                           # SIGTERM: in-flight requests and streams get the grace period (gateway/shutdown.py).
+                           shutdown_timeout=runner_timeout(limits.shutdown_grace_seconds))
     await runner.setup()
     factory = runner.server
     assert factory is not None
