@@ -130,10 +130,15 @@ async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
         _finish(request.app, rec)
         raise
     except ConnectionResetError:
-        # The client left while its body was read (aiohttp raises this to the reader, not a cancel):
-        # nothing to answer, and no error of the gateway's.
-        rec.status = 499
-        response = web.Response(status=400)
+        if request.transport is not None and not request.transport.is_closing():
+            # Not the client leaving (a backend's reset the handler did not wrap): the gateway's error.
+            request.app[LOG].exception("unhandled_error", route=rec.route, method=rec.method)
+            response = _error_response(request, 500, "internal gateway error")
+        else:
+            # The client left while its body was read (aiohttp raises this to the reader, not a
+            # cancel): nothing to answer, and no error of the gateway's.
+            rec.status = 499
+            response = web.Response(status=400)
     except Exception:
         request.app[LOG].exception("unhandled_error", route=rec.route, method=rec.method)
         response = _error_response(request, 500, "internal gateway error")
@@ -164,7 +169,7 @@ async def _offloaded(request: web.Request, offload: Offload) -> web.StreamRespon
         if offload.declared(request) is None:
             try:
                 prelude = await offload.take(request, deadline)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ConnectionResetError):
                 request[RECORD].route = "offload"  # the client left before the sibling heard of it: its 499
                 raise
             if sum(map(len, prelude)) <= offload.threshold:
@@ -188,9 +193,6 @@ async def _offloaded(request: web.Request, offload: Offload) -> web.StreamRespon
     except RequestPayloadError as exc:
         request[RECORD].route = "offload"
         raise unreadable_body(exc) from None
-    except ConnectionResetError:
-        request[RECORD].route = "offload"  # the client left mid-body: its 499, logged and counted here
-        raise
 
 
 def _finish(app: web.Application, rec: Record) -> None:

@@ -306,9 +306,12 @@ class Offload:
             raise NotRelayed(str(exc) or type(exc).__name__, read) from exc
         except asyncio.CancelledError:
             await _stopped(reader)
-            _still_pending(mark)
-            if (expired or failed is not None) and relaying is not None:
-                relaying.uncancel()
+            pending = _still_pending(mark)
+            # The pump's own cancel is turned into what it met; one from elsewhere as well (aiohttp
+            # cancels the handler of a client that left) stays a cancel.
+            if (expired or failed is not None) and relaying is not None and relaying.uncancel() == 0:
+                if not pending:  # (not reached: the sibling calls only once it has the whole body)
+                    raise Called("the body failed after the offload process took the call") from None
                 if failed is not None:
                     raise failed from None
                 raise TimeoutError from None

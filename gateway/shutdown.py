@@ -1,6 +1,7 @@
 """Graceful shutdown: what SIGTERM does to `gateway serve` and `gateway worker`.
 
-`serve` (aiohttp's runner, `shutdown_timeout=server.shutdown_grace_seconds`): the listening socket
+`serve` (aiohttp's runner, with half of `server.shutdown_grace_seconds` as its `shutdown_timeout`, which
+it waits twice: `listener.runner_timeout`): the listening socket
 closes at once (new connections are refused, so a load balancer moves on), idle keep-alive
 connections close, in-flight requests and streams run to their end for up to the grace period and
 are cut after it; then turns still being recorded finish and the fold workers stop.

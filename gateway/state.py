@@ -546,14 +546,17 @@ _NOT_PRODUCT = frozenset((
     "eod", "eow", "eom", "asap", "tbd", "english", "spanish", "french", "german", "italian", "portuguese",
     "dutch", "russian", "chinese", "mandarin", "japanese", "korean", "arabic", "hindi", "hebrew", "turkish",
     "polish", "swedish", "plan", "phase", "option", "step", "stage", "tier", "level", "part", "chapter", "version",
-    # People get work switched to them ("let's switch the review to Alice"): common first names, less those
-    # that are also a product's (Ruby, Julia, Ada, Jenkins).
-    "alice", "bob", "carol", "dave", "david", "eve", "frank", "grace", "heidi", "ivan", "judy", "mallory", "oscar",
+))
+# People get work switched to them ("let's switch the review to Alice"): common first names, less those
+# that are also a product's (Ruby, Julia, Ada, Jenkins, Adam, Charles, Eve, Oscar, Sam). Capitalised words
+# only: in capitals (SAM, EVE) a name is an acronym.
+_FIRST_NAMES = frozenset((
+    "alice", "bob", "carol", "dave", "david", "frank", "grace", "heidi", "ivan", "judy", "mallory",
     "peggy", "trent", "victor", "walter", "james", "john", "robert", "michael", "william", "richard", "joseph",
-    "thomas", "charles", "chris", "christopher", "daniel", "matthew", "anthony", "mark", "paul", "steven", "andrew",
+    "thomas", "chris", "christopher", "daniel", "matthew", "anthony", "mark", "paul", "steven", "andrew",
     "kevin", "brian", "george", "tim", "timothy", "ed", "edward", "jason", "jeff", "ryan", "jacob", "gary", "eric",
-    "jonathan", "stephen", "larry", "justin", "scott", "brandon", "ben", "benjamin", "sam", "samuel", "greg",
-    "alex", "patrick", "jack", "dennis", "jerry", "tyler", "aaron", "jose", "adam", "nathan", "henry", "pete",
+    "jonathan", "stephen", "larry", "justin", "scott", "brandon", "ben", "benjamin", "samuel", "greg",
+    "alex", "patrick", "jack", "dennis", "jerry", "tyler", "aaron", "jose", "nathan", "henry", "pete",
     "peter", "zach", "kyle", "noah", "ethan", "mary", "patricia", "jennifer", "linda", "elizabeth", "barbara",
     "susan", "jessica", "sarah", "karen", "lisa", "nancy", "betty", "sandra", "margaret", "ashley", "kim",
     "kimberly", "emily", "donna", "michelle", "amanda", "melissa", "deborah", "stephanie", "rebecca",
@@ -565,8 +568,10 @@ _MOVE_VERB = re.compile(r"mov", re.IGNORECASE)
 
 def _named(name: str) -> bool:
     """Whether a switch's target, not spelled as a product, is named like one (see `_NOT_PRODUCT`)."""
-    return ((_ACRONYM.fullmatch(name) is not None or _PROPER.fullmatch(name) is not None)
-            and name.lower() not in _NOT_PRODUCT)
+    low = name.lower()
+    if _ACRONYM.fullmatch(name) is not None:
+        return low not in _NOT_PRODUCT
+    return _PROPER.fullmatch(name) is not None and low not in _NOT_PRODUCT and low not in _FIRST_NAMES
 
 
 def _switches(sentence: str) -> bool:
@@ -621,7 +626,7 @@ _PREFERENCE = Pattern(r"\bi\s+(?:(?:now|actually|really|still|also)\s+)?(?:prefe
                       caseless=True)
 # "I'd like to know more about X", "I want to try making kimchi": a request of the moment, not a
 # taste that lasts. Cut out before a preference is looked for; "I want to keep functions short" stays.
-_REQUEST = re.compile(r"\bi(?:\s+(?:(?:just|really|also|still|now|actually)\s+)?want|['’]d\s+(?:really\s+)?like"
+_REQUEST = re.compile(r"\bi(?:\s+(?:(?:just|really|also)\s+)?want|['’]d\s+(?:really\s+)?like"
                       r"|\s+would\s+like)\s+to\s+"
                       r"(?!keep\b|use\b|avoid\b|stick\b|stay\b|limit\b|prioriti[sz]e\b|minimi[sz]e\b)",
                       re.IGNORECASE)

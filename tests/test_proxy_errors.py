@@ -13,6 +13,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway import proxy
 from gateway.app import create_app
 from gateway.config import parse_settings
 from gateway.testing import FakeUpstream, serve_app
@@ -284,3 +285,16 @@ async def test_a_corrupt_compressed_body_is_a_400(gateway: str, fake: FakeUpstre
     assert status == 400 and shaped(body), body
     assert "could not be read" in body["error"]["message"]
     assert fake.requests == []
+
+
+async def test_a_reset_that_is_not_the_client_leaving_is_a_logged_500(fake: FakeUpstream,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ConnectionResetError while the client is still connected (a backend's, unwrapped) is the
+    gateway's error: a 500 in the caller's format, not the silent answer kept for a client that left."""
+    async def reset(*_: Any, **__: Any) -> bytes:
+        raise ConnectionResetError("a backend reset")
+
+    monkeypatch.setattr(proxy, "read_body", reset)
+    async with serve_app(create_app(fake.settings(), memory=False)) as url:
+        status, _, body = await call(url + "/v1/chat/completions", data=b"{}", headers=JSON)
+    assert status == 500 and openai_shaped(body)

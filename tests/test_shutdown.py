@@ -110,6 +110,31 @@ async def test_a_stream_longer_than_the_grace_period_is_cut(tmp_path: Path) -> N
     assert code == 0
 
 
+async def test_an_answer_that_comes_within_the_grace_period_is_delivered(tmp_path: Path) -> None:
+    """Grace 3 s: a provider answering 2.2 s after SIGTERM (past half the grace, where aiohttp's runner
+    first gives up waiting) still reaches the client."""
+    async with FakeUpstream(reply="late but whole", latency=3.2) as fake:
+        cfg = _config(tmp_path, f"server:\n  shutdown_grace_seconds: 3\n"
+                                f"upstreams:\n  openai:\n    base_url: {fake.openai_base_url}\n")
+        port, proc = await start_gateway("--config", cfg)
+        try:
+            async with aiohttp.ClientSession() as http:
+                call = asyncio.ensure_future(http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": "Bearer sk-x"},
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+                await asyncio.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+                r = await call
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["message"]["content"] == "late but whole"
+            code = await asyncio.wait_for(proc.wait(), timeout=20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.communicate()
+    assert code == 0
+
+
 async def test_sigterm_hands_a_workers_unfinished_fold_back(tmp_path: Path, redis_url: str) -> None:
     """`gateway worker` stopped mid-fold exits 0 and hands the job back: another worker takes it at once,
     without waiting memory.worker.claim_idle_ms."""
