@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway import demo, listener, logs, preflight, savings, worker
 from gateway import eval as evaluation
 from gateway.app import OFFLOAD, create_app
-from gateway.config import DEFAULT_ENV, ConfigError, ServerSettings, Settings, load_settings, resolve_path
+from gateway.config import ConfigError, ServerSettings, Settings, default_env, load_settings, resolve_path
 from gateway.offload import MARKS, NICE, PROCESS_LABEL, Offload
 from gateway.preflight import redact_url
 from gateway.shutdown import log_draining
@@ -57,8 +57,7 @@ def check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         _print_problems(exc)
         return 1
-    used = [name for name in DEFAULT_ENV if os.environ.get(name)
-            and not (name == "GATEWAY_PORT" and "://" in os.environ[name])] if path is None else []
+    used = list(default_env()) if path is None else []
     print(f"configuration OK ({path or 'built-in defaults'}{', with $' + ', $'.join(used) if used else ''})")
     print(f"  listen:     {settings.server.host}:{settings.server.port}")
     print(f"  store:      {redact_url(settings.store.url)}")

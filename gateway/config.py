@@ -634,6 +634,18 @@ def parse_settings(data: Any) -> Settings:
         raise ConfigError(_format_errors(exc)) from exc
 
 
+def default_env() -> dict[str, str]:
+    """The `DEFAULT_ENV` variables a load without a config file reads: those set and not empty."""
+    out = {}
+    for name in DEFAULT_ENV:
+        value = os.environ.get(name)
+        # Kubernetes gives every pod GATEWAY_PORT=tcp://10.0.0.7:80 when a Service named "gateway" exists:
+        # an address, not a port to listen on.
+        if value and not (name == "GATEWAY_PORT" and "://" in value):
+            out[name] = value
+    return out
+
+
 def resolve_path(path: str | os.PathLike[str] | None) -> Path | None:
     if path:
         return Path(path)
@@ -651,16 +663,13 @@ def load_settings(path: str | os.PathLike[str] | None = None,
     if resolved is None:
         data: dict[str, Any] = {}
         source: dict[str, str] = {}
-        for name, key_path in DEFAULT_ENV.items() if environ else ():
-            value = os.environ.get(name)
-            # Kubernetes gives every pod GATEWAY_PORT=tcp://10.0.0.7:80 when a Service named "gateway"
-            # exists: an address, not a port to listen on.
-            if value and not (name == "GATEWAY_PORT" and "://" in value):
-                node = data
-                for part in key_path[:-1]:
-                    node = node.setdefault(part, {})
-                node[key_path[-1]] = value
-                source[".".join(key_path)] = name
+        for name, value in (default_env() if environ else {}).items():
+            key_path = DEFAULT_ENV[name]
+            node = data
+            for part in key_path[:-1]:
+                node = node.setdefault(part, {})
+            node[key_path[-1]] = value
+            source[".".join(key_path)] = name
         try:
             return _validated(data, checks)
         except ConfigError as exc:

@@ -38,6 +38,7 @@ from yarl import URL
 
 from gateway.logs import get_logger
 from gateway.metrics import SiblingSamples
+from gateway.upstream import HOP_BY_HOP
 
 log = get_logger("gateway.offload")
 
@@ -60,8 +61,7 @@ MARKS: web.AppKey[str] = web.AppKey("offload_marks", str)
 _OWN = frozenset(("date", "server"))
 # The answer's headers about this hop. Not its Content-Encoding: the relay passes the body as it came
 # (a provider that compressed it despite being asked not to), so the client must still be told.
-_HOP_RESPONSE = frozenset(("connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-                           "upgrade", "content-length"))
+_HOP_RESPONSE = HOP_BY_HOP | {"content-length"}
 _RESTART_DELAYS = (0.5, 2.0, 10.0)  # seconds before each restart after a crash (then the last, again)
 _READY_SECONDS = 60.0
 _WATCH_MISSES = 3  # unanswered in a row: the sibling is killed and another started
