@@ -59,6 +59,8 @@ def test_check_config_ok_prints_summary(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "configuration OK" in out and "own api_key" in out
     assert "sk-secret-upstream" not in out and "hunter2" not in out
+    # That key turned the llm summarizer on (its default): the summary says folds now make paid calls.
+    assert "note:       folds call gpt-4o-mini with upstreams.openai.api_key (billed to that key)" in out
 
 
 def test_check_config_takes_the_file_as_its_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
