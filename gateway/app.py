@@ -21,7 +21,7 @@ from gateway import api, dashboard, paths
 from gateway.activity import Activity, Noted
 from gateway.config import Settings
 from gateway.dialects import dialect_for_path
-from gateway.logs import get_logger
+from gateway.logs import get_logger, quiet_answered_body_errors
 from gateway.memory import Memory
 from gateway.metrics import Metrics
 from gateway.offload import Called, NotRelayed, Offload
@@ -384,6 +384,7 @@ def create_app(settings: Settings, *, store: Any = None, hook: MemoryHook | None
     plain proxy: what the proxy's own tests and overhead benchmark run.
     """
     app = web.Application(middlewares=[edge], client_max_size=settings.server.max_body_bytes)
+    quiet_answered_body_errors()
     app[SETTINGS] = settings
     app[STORE] = store
     app[HOOK] = hook

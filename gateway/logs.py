@@ -94,6 +94,24 @@ def configure(fmt: LogFormat = "json", level: str = "info", stream: IO[Any] | No
     )
 
 
+class _AnsweredBodyErrors(logging.Filter):
+    """aiohttp drains a request body after its handler answered, and logs a traceback ("Unhandled
+    exception") when that body cannot be read (a corrupt gzip): the gateway has already answered it
+    400 in the caller's format, and its request line says why."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.web_protocol import RequestPayloadError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, RequestPayloadError)
+
+
+def quiet_answered_body_errors() -> None:
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _AnsweredBodyErrors) for f in server.filters):
+        server.addFilter(_AnsweredBodyErrors())
+
+
 def get_logger(name: str = "gateway") -> Any:
     return structlog.get_logger(name)
 
