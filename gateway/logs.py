@@ -18,6 +18,7 @@ from typing import IO, Any, Literal, TextIO, cast
 
 import orjson
 import structlog
+from aiohttp.web_protocol import RequestPayloadError
 
 LogFormat = Literal["json", "console"]
 
@@ -100,8 +101,6 @@ class _AnsweredBodyErrors(logging.Filter):
     400 in the caller's format, and its request line says why."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.web_protocol import RequestPayloadError
-
         exc = record.exc_info[1] if record.exc_info else None
         return not isinstance(exc, RequestPayloadError)
 
