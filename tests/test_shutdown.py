@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -83,55 +86,53 @@ async def test_sigterm_finishes_the_inflight_stream_and_refuses_new_connections(
     assert '"event":"draining"' in out and '"status":200' in out
 
 
+@contextlib.asynccontextmanager
+async def _serving(tmp_path: Path, fake: FakeUpstream, grace: float) -> AsyncIterator[tuple[int, Any]]:
+    """`gateway serve` with `grace` seconds to drain, in front of `fake`: (port, process), killed if still up."""
+    cfg = _config(tmp_path, f"server:\n  shutdown_grace_seconds: {grace}\n"
+                            f"upstreams:\n  openai:\n    base_url: {fake.openai_base_url}\n")
+    port, proc = await start_gateway("--config", cfg)
+    try:
+        yield port, proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.communicate()
+
+
 async def test_a_stream_longer_than_the_grace_period_is_cut(tmp_path: Path) -> None:
     """A stream still running when server.shutdown_grace_seconds is over is cut then, not at twice the
     grace (aiohttp's runner waits its timeout twice); the process still exits 0."""
-    async with FakeUpstream(reply=LONG_REPLY, chunk_delay=2.0) as fake:
-        cfg = _config(tmp_path, f"server:\n  shutdown_grace_seconds: 3\n"
-                                f"upstreams:\n  openai:\n    base_url: {fake.openai_base_url}\n")
-        port, proc = await start_gateway("--config", cfg)
-        try:
-            async with aiohttp.ClientSession() as http, http.post(
-                    f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": "Bearer sk-x"},
-                    json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
-                assert r.status == 200
-                await r.content.readline()
-                proc.send_signal(signal.SIGTERM)
-                t0 = time.monotonic()
-                # 24 chunks at 2 s would take 48 s: cut at the grace period, 3 s (it was 6).
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    await r.read()
-                assert time.monotonic() - t0 < 4.5
-                code = await asyncio.wait_for(proc.wait(), timeout=20)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-            await proc.communicate()
+    async with FakeUpstream(reply=LONG_REPLY, chunk_delay=2.0) as fake, _serving(tmp_path, fake, 3) as (port, proc), \
+            aiohttp.ClientSession() as http, http.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": "Bearer sk-x"},
+                json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status == 200
+        await r.content.readline()
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        # 24 chunks at 2 s would take 48 s: cut at the grace period, 3 s (it was 6).
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await r.read()
+        assert time.monotonic() - t0 < 4.5
+        code = await asyncio.wait_for(proc.wait(), timeout=20)
     assert code == 0
 
 
 async def test_an_answer_that_comes_within_the_grace_period_is_delivered(tmp_path: Path) -> None:
     """Grace 3 s: a provider answering 2.2 s after SIGTERM (past half the grace, where aiohttp's runner
     first gives up waiting) still reaches the client."""
-    async with FakeUpstream(reply="late but whole", latency=3.2) as fake:
-        cfg = _config(tmp_path, f"server:\n  shutdown_grace_seconds: 3\n"
-                                f"upstreams:\n  openai:\n    base_url: {fake.openai_base_url}\n")
-        port, proc = await start_gateway("--config", cfg)
-        try:
-            async with aiohttp.ClientSession() as http:
-                call = asyncio.ensure_future(http.post(
-                    f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": "Bearer sk-x"},
-                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
-                await asyncio.sleep(1.0)
-                proc.send_signal(signal.SIGTERM)
-                r = await call
-                assert r.status == 200
-                assert (await r.json())["choices"][0]["message"]["content"] == "late but whole"
-            code = await asyncio.wait_for(proc.wait(), timeout=20)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-            await proc.communicate()
+    async with FakeUpstream(reply="late but whole", latency=3.2) as fake, _serving(tmp_path, fake, 3) as (port, proc):
+        async with aiohttp.ClientSession() as http:
+            call = asyncio.ensure_future(http.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", headers={"Authorization": "Bearer sk-x"},
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+            await asyncio.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            r = await call
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["message"]["content"] == "late but whole"
+        code = await asyncio.wait_for(proc.wait(), timeout=20)
     assert code == 0
 
 
