@@ -69,9 +69,8 @@ def check_config(args: argparse.Namespace) -> int:
     mem = settings.memory
     print(f"  memory:     {'on' if mem.enabled else 'off'}; rewrite over {mem.message_threshold} messages "
           f"or {mem.token_threshold} tokens; summarizer {settings.summarizer_mode()}; policy {mem.policy}")
-    if mem.enabled and settings.summarizer_mode() == "llm":
-        print(f"  note:       folds call {mem.summarizer.model} with upstreams.{mem.summarizer.upstream}.api_key "
-              "(billed to that key); memory.summarizer.mode: extractive makes none")
+    if (paid := preflight.paid_summaries(settings)) is not None:
+        print(f"  note:       {paid}")
     for warning in preflight.warnings(settings):
         print(f"  warning:    {warning}")
     for name in settings.unpriced_models():
@@ -132,12 +131,9 @@ def serve(args: argparse.Namespace) -> int:
         log.info("store", store=redact_url(store_url))
     for warning in preflight.warnings(settings):
         log.info("config_note", message=warning)  # (a documented setup: check-config is where it warns)
-    if settings.memory.enabled and settings.summarizer_mode() == "llm":
-        # Setting an upstream api_key turns this on by default: say that folds now make paid calls.
+    if (paid := preflight.paid_summaries(settings)) is not None:
         summarizer = settings.memory.summarizer
-        log.info("summarizer", mode="llm", model=summarizer.model, upstream=summarizer.upstream,
-                 message=f"folds call {summarizer.model} with upstreams.{summarizer.upstream}.api_key (billed to "
-                         "that key); memory.summarizer.mode: extractive makes none")
+        log.info("summarizer", mode="llm", model=summarizer.model, upstream=summarizer.upstream, message=paid)
     if offload is not None:
         _offload(app, offload)
     loop = _install_event_loop()

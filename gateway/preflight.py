@@ -100,6 +100,15 @@ def warnings(settings: Settings) -> list[str]:
     return out
 
 
+def paid_summaries(settings: Settings) -> str | None:
+    """Said when folds make paid calls: an upstream api_key turns the llm summarizer on by default."""
+    summarizer = settings.memory.summarizer
+    if not settings.memory.enabled or settings.summarizer_mode() != "llm":
+        return None
+    return (f"folds call {summarizer.model} with upstreams.{summarizer.upstream}.api_key (billed to that key); "
+            "memory.summarizer.mode: extractive makes none")
+
+
 def _addresses(host: str, port: int) -> set[str]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
