@@ -22,6 +22,8 @@ import socket
 from typing import Any
 
 from aiohttp import web
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestPayloadError, _ErrInfo
 
 from gateway.config import ServerSettings
 
@@ -87,7 +89,12 @@ class Guarded(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self.untracked:
             self._follow(data)
+        # (aiohttp's private queue of parsed requests: a version without it keeps the old 408.)
+        queue = getattr(self.inner, "_messages", None)
+        queued = len(queue) if queue is not None else 0
         self.inner.data_received(data)
+        if queue is not None and len(queue) > queued:
+            _report_broken_framing(self.inner, queue)
 
     def _follow(self, data: bytes) -> None:
         view = memoryview(data)
@@ -163,6 +170,26 @@ class Guarded(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.inner.resume_writing()
+
+
+def _report_broken_framing(inner: Any, queue: Any) -> None:
+    """Tell the body being read that its framing broke (a bad chunk-size line after the head).
+
+    aiohttp's parser then queues a plain-text 400 for a next request and leaves the body it was
+    filling waiting: the handler reading it sat out `body_timeout_seconds` for a 408. Its reader now
+    fails as a corrupt Content-Encoding's does (a 400 in the caller's format), and aiohttp closes the
+    connection after that answer, the queued 400 unsent."""
+    error = queue[-1][0]
+    if not isinstance(error, _ErrInfo):
+        return
+    request = getattr(inner, "_current_request", None)
+    waiting = [request.content] if request is not None else []
+    waiting += [payload for _, payload in list(queue)[:-1]]
+    for payload in waiting:
+        if isinstance(payload, StreamReader) and not payload.is_eof() and payload.exception() is None:
+            # (The reason only: aiohttp's message goes on to quote the bytes it choked on.)
+            reason = str(error.message).partition(":\n")[0]
+            payload.set_exception(RequestPayloadError(f"broken chunked encoding: {reason}"))
 
 
 MAX_REQUEST_LINE = 32 << 10

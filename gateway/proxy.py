@@ -145,8 +145,8 @@ async def read_body(request: web.Request, seconds: float, max_bytes: int) -> byt
 
 
 def unreadable_body(exc: RequestPayloadError) -> GatewayError:
-    """The 400 for a body aiohttp could not read: a corrupt Content-Encoding. (A broken chunked encoding
-    met after the head is not reported to the body by aiohttp: that body times out, a 408.)"""
+    """The 400 for a body aiohttp could not read: a corrupt Content-Encoding, or a chunked encoding that
+    broke after the head (listener.py reports that one to the body)."""
     cause = exc.__cause__ or exc
     why = " ".join(str(getattr(cause, "message", None) or cause).split())  # ("Can not decode content-encoding: gzip")
     return GatewayError(400, None, f"the request body could not be read: {why[:200]}")

@@ -469,12 +469,22 @@ async def _raw_post(port: int, head: bytes, parts: list[tuple[float, bytes]], ha
         writer.close()
 
 
+async def _prompt_400(port: int, head: bytes, parts: list[tuple[float, bytes]]) -> None:
+    t0 = time.monotonic()
+    answer = await _raw_post(port, head, parts, hang_up=False)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert time.monotonic() - t0 < 10
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["type"] == "invalid_request_error" and "could not be read" in error["message"]
+
+
 async def test_a_body_that_cannot_be_read_is_a_400_or_a_499_and_leaves_no_mark(tmp_path: Path,
                                                                                redis_process: RedisProcess) -> None:
-    """Corrupt gzip in a request body, at once or after 100 KB of good data (relayed by then): a prompt
-    400 in the caller's format, not a 500 nor a wait for the offload process's body timeout. A client
-    that hangs up mid-body (declared length or chunked): a 499 in the log, no unhandled error. Neither
-    leaves a relay's call mark behind, nor reaches the provider."""
+    """Corrupt gzip in a request body, at once or after 100 KB of good data (relayed by then), or a
+    broken chunk-size line after 100 KB: a prompt 400 in the caller's format, not a 500 nor a wait for
+    the offload process's body timeout. A client that hangs up mid-body (declared length or chunked):
+    a 499 in the log, no unhandled error. Neither leaves a relay's call mark behind, nor reaches the
+    provider."""
     async with FakeUpstream(reply="ok") as fake, gateway(tmp_path, redis_process, fake) as gw:
         port = int(gw.url.rsplit(":", 1)[1])
         marks = os.path.dirname(_socket_of(await gw.offload_pid()))
@@ -488,12 +498,12 @@ async def test_a_body_that_cannot_be_read_is_a_400_or_a_499_and_leaves_no_mark(t
             head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
                     + b"\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nX-Conversation-Id: bad-gz\r\n"
                     + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % size)
-            t0 = time.monotonic()
-            answer = await _raw_post(port, head, parts, hang_up=False)
-            assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
-            assert time.monotonic() - t0 < 10
-            error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
-            assert error["type"] == "invalid_request_error" and "could not be read" in error["message"]
+            await _prompt_400(port, head, parts)
+        # A chunk-size line that is not hex, after 100 KB of good chunks (relayed by then).
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                + b"\r\nContent-Type: application/json\r\nX-Conversation-Id: bad-chunk\r\n"
+                + b"Transfer-Encoding: chunked\r\n\r\n")
+        await _prompt_400(port, head, [(0, b"%x\r\n%s\r\n" % (100_000, raw[:100_000])), (0.5, b"zz-not-a-size\r\n")])
         for chunked in (False, True):
             body = json.dumps({"model": "gpt-4o", "messages": _history(11, 12_000)}).encode()
             framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body)
@@ -508,7 +518,7 @@ async def test_a_body_that_cannot_be_read_is_a_400_or_a_499_and_leaves_no_mark(t
         # The offload process had the hung-up requests: it logs and counts them, the relay does not again.
         assert await _eventually(lambda: len(gw.requests("left")) == 2)
         assert all(ln["status"] == 499 for ln in gw.requests("left")) and relayed(499) == []
-        assert len(relayed(400)) == 2
+        assert len(relayed(400)) == 3
         assert not [ln for ln in gw.lines() if ln.get("event") == "unhandled_error"]
         assert [n for n in os.listdir(marks) if n.startswith("pending-")] == []
         assert fake.requests == []

@@ -107,6 +107,30 @@ async def test_a_stalled_body_is_a_408_in_the_callers_dialect(path: str, anthrop
         assert (err["type"] == "error") if anthropic else ("message" in err["error"])
 
 
+@pytest.mark.parametrize(("path", "anthropic"), [("/v1/chat/completions", False), ("/v1/messages", True)])
+async def test_a_chunked_body_that_breaks_after_its_head_is_a_prompt_400(path: str, anthropic: bool) -> None:
+    """A chunk-size line that is not hex, arriving after the head and a good chunk: a 400 in the
+    route's dialect at once, not a 408 once body_timeout passes (aiohttp's parser left that body
+    waiting), and the connection is closed after it with no second, plain-text answer."""
+    async with limited(body_timeout_seconds=30) as (host, port):
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+                     + b"9\r\n{\"model\":\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.3)  # the handler is reading the body by now
+        writer.write(b"zz-not-a-size\r\n")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), timeout=10)  # (the hang guard: read() waits for the close)
+        writer.close()
+        top, _, body = data.partition(b"\r\n\r\n")
+        assert top.split()[1] == b"400", data
+        err = orjson.loads(body)
+        assert (err["type"] == "error") if anthropic else ("message" in err["error"])
+        message = err["error"]["message"]
+        assert "could not be read" in message and "chunk" in message, message
+
+
 async def test_a_long_request_line_reaches_the_routes() -> None:
     """A request line past aiohttp's default 8,190 bytes (GET …/search?q= with 1,000 percent-encoded
     non-Latin characters is about 9-12 KB) is routed, not answered with aiohttp's plain-text 400."""
