@@ -15,6 +15,7 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import unquote_plus
 
 from gateway.config import Settings
 
@@ -68,8 +69,20 @@ class Authenticator:
         self._tenants = {_digest(k.key): k.tenant for k in settings.auth.keys}
         self.required = bool(self._tenants) or settings.requires_client_keys()
         self._admin = _digest(settings.auth.admin_token) if settings.auth.admin_token else None
+        self._admin_token = settings.auth.admin_token or ""
         # A client sends the same credential on every request: hash it once, not per request.
         self._derived: dict[str, str] = {}
+
+    def _carries_admin(self, credential: str | None, headers: Mapping[str, str], target: str) -> bool:
+        """Whether the admin token is anywhere a proxied request takes upstream: the credential the
+        gateway reads, any other header (a second key header, `api-key`, a custom one), the path or
+        the query string. Only values at least as long as the token are searched."""
+        if credential and hmac.compare_digest(_digest(credential), self._admin or b""):
+            return True
+        token, n = self._admin_token, len(self._admin_token)
+        if any(len(value) >= n and token in value for value in headers.values()):
+            return True
+        return len(target) >= n and (token in target or token in unquote_plus(target))
 
     def _tenant_of(self, credential: str | None) -> str:
         if credential is None:
@@ -82,9 +95,11 @@ class Authenticator:
             self._derived[credential] = tenant
         return tenant
 
-    def identify(self, headers: Mapping[str, str]) -> Identity:
+    def identify(self, headers: Mapping[str, str], target: str = "") -> Identity:
+        """The request's tenant and provider credential. `target`: a proxied request's raw path and
+        query, which go upstream too."""
         credential = presented_credential(headers)
-        if credential and self._admin and hmac.compare_digest(_digest(credential), self._admin):
+        if self._admin is not None and self._carries_admin(credential, headers, target):
             # Never forwarded upstream as a provider key, nor taken as a tenant's credential.
             raise AuthError("the admin token serves the conversation API only")
         if not self.required:

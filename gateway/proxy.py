@@ -201,7 +201,7 @@ class Proxy:
                 rec.project = paths.conversation_id(project)
                 break
         try:
-            ident = self.auth.identify(headers)
+            ident = self.auth.identify(headers, request.raw_path)
         except AuthError as exc:
             raise GatewayError(401, None, str(exc)) from None
         rec.tenant = ident.tenant

@@ -59,7 +59,26 @@ async def test_admin_token_never_goes_upstream(redis_url: str) -> None:
                                headers={"x-api-key": ADMIN}) as r:
             assert r.status == 401
             assert (await r.json())["type"] == "error"
+        # Beside a provider key, in the header a provider reads or any other, or in the path or query:
+        # refused too, never forwarded.
+        anthropic = {"anthropic-version": "2023-06-01"}
+        for path, body, headers in [
+            ("/v1/messages", {**CHAT, "max_tokens": 5},
+             {"Authorization": f"Bearer {KEY}", "x-api-key": ADMIN, **anthropic}),
+            ("/v1/chat/completions", CHAT, {"Authorization": f"Bearer {KEY}", "api-key": ADMIN}),
+            ("/v1/chat/completions", CHAT, {"Authorization": f"Bearer {KEY}", "X-Note": f"token={ADMIN};"}),
+            (f"/v1/chat/completions?key={ADMIN}", CHAT, {"Authorization": f"Bearer {KEY}"}),
+            (f"/v1/chat/completions?key={quote(ADMIN, safe='')}x", CHAT, {"Authorization": f"Bearer {KEY}"}),
+        ]:
+            async with g.http.post(f"{g.url}{path}", json=body, headers=headers) as r:
+                assert r.status == 401, (path, headers)
+        async with g.http.get(f"{g.url}/v1/models/{ADMIN}", headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 401
         assert all(ADMIN not in v for req in g.fake.requests for v in req.headers.values())
+        assert all(ADMIN not in req.path + req.query_string for req in g.fake.requests)
+        async with g.http.post(f"{g.url}/v1/chat/completions", json=CHAT,
+                               headers={"Authorization": f"Bearer {KEY}", "X-Note": ADMIN[:-1]}) as r:
+            assert r.status == 200  # (the token's own value only: not a part of it)
 
 
 @pytest.mark.parametrize("path", ["/v1/../../admin", "/v1/%2e%2e/%2E%2E/admin", "/v1/../../../etc/passwd",
