@@ -27,7 +27,7 @@ from gateway.keys import ConvRef
 from gateway.model import Summary
 from gateway.proxy import GatewayError, read_body
 from gateway.retrieval import RetrievalIndex
-from gateway.store import UNAVAILABLE, Store, StoreUnavailable
+from gateway.store import UNAVAILABLE, Store, StoreBusy, StoreUnavailable
 
 ADMIN_TENANT_HEADER = "X-Gateway-Tenant"
 MAX_PAGE = 1000
@@ -126,6 +126,10 @@ class ConversationAPI:
     async def _guard(self, coro: Any) -> Any:
         try:
             return await coro
+        except StoreBusy as exc:
+            raise GatewayError(503, "api_error", "the conversation store is busy: every connection of this process's "
+                               "pool stayed in use for store.pool_wait_seconds; retry shortly",
+                               {"Retry-After": "1"}) from exc
         except StoreUnavailable as exc:
             raise GatewayError(503, "api_error", "the conversation store is unreachable") from exc
         except UNAVAILABLE as exc:  # activity.py's reads use the connection directly

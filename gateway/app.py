@@ -26,7 +26,7 @@ from gateway.memory import Memory
 from gateway.metrics import Metrics
 from gateway.offload import Called, NotRelayed, Offload
 from gateway.proxy import BODY_DEADLINE, PRELUDE, RECORD, GatewayError, MemoryHook, Proxy, Record, unreadable_body
-from gateway.store import Store, open_store
+from gateway.store import Store, StoreBusy, open_store
 from gateway.summarizer import build_summarizer
 from gateway.tokens import TokenCounter
 from gateway.transport import HTTPClient
@@ -288,6 +288,10 @@ async def readyz(request: web.Request) -> web.Response:
     if store is not None:
         try:
             ok = bool(await store.ping())
+        except StoreBusy:
+            # Reachable, its pool taken: requests are still served (their turns queued for a retry),
+            # and a probe that failed now would move load to replicas as full, then back.
+            return web.json_response({"status": "ok", "store": "busy"})
         except Exception as exc:
             request.app[LOG].warning("store_unreachable", error=type(exc).__name__)
             ok = False

@@ -293,9 +293,13 @@ class Store:
         await self.redis.aclose()
 
     async def ping(self) -> bool:
+        """Whether the store answers; raises StoreBusy when it is there but every connection of the
+        pool stayed in use."""
         try:
             with _guard:
                 pong = await self.redis.ping()
+        except StoreBusy:
+            raise
         except (StoreUnavailable, rex.RedisError):
             return False
         return bool(pong)

@@ -110,8 +110,15 @@ class FoldWorker:
     """One consumer of the fold queue: takes jobs one at a time and folds their conversation."""
 
     def __init__(self, store: Store, settings: Settings, summarizer: fold.Summarizer, *, metrics: Any = None,
-                 name: str | None = None, breaker: Breaker | None = None, cpu: FoldCPU | None = None) -> None:
+                 name: str | None = None, breaker: Breaker | None = None, cpu: FoldCPU | None = None,
+                 block: bool = True) -> None:
         self.store = store
+        # Whether an idle worker waits for new jobs in a blocking read. That read holds a connection of
+        # the store's pool for up to _BLOCK_MS: right in `gateway worker`, but in a process that serves
+        # requests it took the pool's connections from them (`store.pool_size: 1` made requests
+        # store-busy on an idle gateway). There an idle worker asks without waiting, then sleeps until
+        # this process queues a fold or _POLL_SECONDS pass.
+        self.block = block
         self.settings = settings
         self.summarizer = summarizer
         self.local = summarizer.local  # see fold.run_local
@@ -221,7 +228,7 @@ class FoldWorker:
             self._reclaim_after = now + _POLL_SECONDS
         # 3. new jobs. fakeredis returns at once even with a block: never rely on the wait.
         started = time.monotonic()
-        new = await self.jobs.next(self.name, _BLOCK_MS if block else None)
+        new = await self.jobs.next(self.name, _BLOCK_MS if block and self.block else None)
         if new is not None:
             return self._delivered(new)
         if block and time.monotonic() - started < _BLOCK_MS / 2000:
@@ -511,7 +518,7 @@ class WorkerPool:
     """
 
     def __init__(self, store: Store, settings: Settings, summarizer: fold.Summarizer, n: int, *, metrics: Any = None,
-                 name: str | None = None, processes: int = 0) -> None:
+                 name: str | None = None, processes: int = 0, block: bool = True) -> None:
         w = settings.memory.worker
         self.breaker = Breaker(w.max_failures, w.breaker_seconds)
         base = name or f"{socket.gethostname()}-{os.getpid()}"
@@ -519,7 +526,7 @@ class WorkerPool:
         if processes and n and hasattr(summarizer, "offload"):
             summarizer.offload = self.cpu.call  # the llm summarizer's fallback extraction
         self.workers = [FoldWorker(store, settings, summarizer, metrics=metrics, name=f"{base}-{i}",
-                                   breaker=self.breaker, cpu=self.cpu) for i in range(n)]
+                                   breaker=self.breaker, cpu=self.cpu, block=block) for i in range(n)]
         self.tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> WorkerPool:
@@ -531,8 +538,8 @@ class WorkerPool:
     async def stop(self, grace: float = 10.0) -> None:
         """Stop taking jobs, let running folds finish for up to `grace` seconds, then cancel them.
 
-        Idle workers are cancelled at once: they only wait on a blocking read (up to a second on
-        Redis). Jobs still pending on them (a fold cut short, one just handed to an idle worker)
+        Idle workers are cancelled at once: they only wait for a job (a blocking read of up to a
+        second on Redis, or a sleep). Jobs still pending on them (a fold cut short, one just handed to an idle worker)
         are handed back: other workers reclaim them at once, not after claim_idle_ms.
         """
         for w in self.workers:
@@ -556,13 +563,14 @@ class WorkerPool:
 
 def start_workers(store: Store, settings: Settings, summarizer: fold.Summarizer, n: int | None = None, *,
                   metrics: Any = None, processes: int | None = None) -> WorkerPool:
-    """Start `n` (default `memory.worker.in_process`) workers as tasks, their fold CPU in `processes`
-    (default `memory.worker.fold_processes`) child processes; `await pool.stop()` at shutdown."""
+    """Start `n` (default `memory.worker.in_process`) workers as tasks of a process that serves requests,
+    their fold CPU in `processes` (default `memory.worker.fold_processes`) child processes; `await
+    pool.stop()` at shutdown."""
     w = settings.memory.worker
     count = w.in_process if n is None else n
     procs = w.fold_processes if processes is None else processes
     log.info("fold.workers_started", workers=count, summarizer=summarizer.name, fold_processes=procs if count else 0)
-    return WorkerPool(store, settings, summarizer, count, metrics=metrics, processes=procs).start()
+    return WorkerPool(store, settings, summarizer, count, metrics=metrics, processes=procs, block=False).start()
 
 
 def main(args: Any) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.app import HOOK, METRICS, create_app, drain_background
+from gateway.app import HOOK, METRICS, STORE, create_app, drain_background
 from gateway.backlog import Backlog
 from gateway.config import StoreSettings
 from gateway.keys import ConvRef
@@ -245,6 +245,43 @@ async def test_a_full_pool_is_busy_not_unreachable(redis_url: str, tmp_path: Pat
         assert not isinstance(info.value, StoreBusy)
     finally:
         await store.close()
+
+
+async def test_idle_fold_workers_leave_the_pool_to_requests_and_busy_is_said_as_busy(redis_url: str) -> None:
+    """With `store.pool_size: 1`, the serving process's idle fold worker (which waited for jobs in a
+    blocking read holding that connection for a second) leaves it to requests and folds: none is
+    store-busy, and the conversation is summarised (it never was: summary-pending throughout). A
+    pool that is really full is told as busy: /readyz stays ready, the conversation API answers 503
+    "busy" with a Retry-After, not "unreachable"."""
+    async with gateway({"url": redis_url, "pool_size": 1, "pool_wait_seconds": 0.3}) as (app, url, http):
+        history: list[dict[str, str]] = []
+        reasons = []
+        for i in range(12):
+            history.append({"role": "user", "content": f"turn {i}"})
+            async with http.post(url + "/v1/chat/completions", json={"model": "gpt-test", "messages": history},
+                                 headers={"Authorization": f"Bearer {KEY}", "X-Conversation-Id": "one-conn"}) as r:
+                assert r.status == 200
+                reasons.append(r.headers["x-gateway-reason"])
+                history.append({"role": "assistant", "content": (await r.json())["choices"][0]["message"]["content"]})
+            await asyncio.sleep(0.1)
+        assert "store-busy" not in reasons and "degraded" not in reasons, reasons
+        assert "rewritten" in reasons, reasons  # folds ran on that one connection too
+        await drain_background(app)
+        assert len(await stored(http, url, "one-conn")) == len(history)
+
+        pool = app[STORE].redis.connection_pool
+        held = await pool.get_connection()
+        try:
+            async with http.get(url + "/readyz") as r:
+                assert r.status == 200 and await r.json() == {"status": "ok", "store": "busy"}
+            async with http.get(f"{url}/gateway/conversations/one-conn/messages",
+                                headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert "busy" in (await r.json())["error"]["message"]
+        finally:
+            await pool.release(held)
+        async with http.get(url + "/readyz") as r:
+            assert r.status == 200 and await r.json() == {"status": "ok"}
 
 
 async def test_the_pool_limit_holds_after_the_store_was_down(tmp_path: Path) -> None:
