@@ -22,16 +22,22 @@ import socket
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestPayloadError, _ErrInfo
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from gateway.config import ServerSettings
+from gateway.dialects import dialect_for_path
+from gateway.logs import get_logger
 
 _LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d{1,18})", re.IGNORECASE)
 _CHUNKED = re.compile(rb"\r\ntransfer-encoding:[^\r\n]*chunked", re.IGNORECASE)
 _MAX_HEAD = 64 * 1024  # aiohttp refuses longer heads itself; past this the head is not followed
 _MAX_LINE = 8 * 1024  # a chunk-size line (with extensions) or a trailer line
 _HEX = re.compile(rb"[0-9a-fA-F]{1,16}")
+_ANTHROPIC = re.compile(rb"\r\nanthropic-version:", re.IGNORECASE)
+
+log = get_logger("gateway.listener")
 
 
 class Guarded(asyncio.Protocol):
@@ -49,6 +55,12 @@ class Guarded(asyncio.Protocol):
         self.chunked: bytes | None = None  # in a chunked body: b"size" or b"trailer" lines are read
         self.line = bytearray()  # the chunk-size or trailer line so far
         self.deadline: asyncio.TimerHandle | None = None
+        # The newest request's path and dialect hint, for a 400 aiohttp answers before any route runs.
+        self.path = "/"
+        self.anthropic = False
+        # The body aiohttp's parser is filling: it hands the request to a task that may not have
+        # started yet when the body's framing breaks (Python 3.11 starts tasks on the next turn).
+        self.filling: Any = None
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -94,7 +106,10 @@ class Guarded(asyncio.Protocol):
         queued = len(queue) if queue is not None else 0
         self.inner.data_received(data)
         if queue is not None and len(queue) > queued:
-            _report_broken_framing(self.inner, queue)
+            for message, payload in list(queue)[queued:]:
+                if not isinstance(message, _ErrInfo):
+                    self.filling = payload
+            _report_broken_framing(self, queue)
 
     def _follow(self, data: bytes) -> None:
         view = memoryview(data)
@@ -119,6 +134,9 @@ class Guarded(asyncio.Protocol):
             consumed = end + 4 - before  # bytes of `view` that belong to this head
             head = bytes(self.head[:end + 4])
             self.head.clear()
+            target = head.split(b" ", 2)[1:2]
+            self.path = target[0].split(b"?", 1)[0].decode("latin-1") if target else "/"
+            self.anthropic = _ANTHROPIC.search(head) is not None
             self._disarm()
             view = view[consumed:]
             if _CHUNKED.search(head):
@@ -172,24 +190,61 @@ class Guarded(asyncio.Protocol):
         self.inner.resume_writing()
 
 
-def _report_broken_framing(inner: Any, queue: Any) -> None:
+def _report_broken_framing(conn: Guarded, queue: Any) -> None:
     """Tell the body being read that its framing broke (a bad chunk-size line after the head).
 
-    aiohttp's parser then queues a plain-text 400 for a next request and leaves the body it was
-    filling waiting: the handler reading it sat out `body_timeout_seconds` for a 408. Its reader now
-    fails as a corrupt Content-Encoding's does (a 400 in the caller's format), and aiohttp closes the
+    aiohttp's parser then queues a 400 for a next request and leaves the body it was filling
+    waiting: the handler reading it sat out `body_timeout_seconds` for a 408. Its reader now fails
+    as a corrupt Content-Encoding's does (a 400 in the caller's format), and aiohttp closes the
     connection after that answer, the queued 400 unsent."""
     error = queue[-1][0]
     if not isinstance(error, _ErrInfo):
         return
-    request = getattr(inner, "_current_request", None)
-    waiting = [request.content] if request is not None else []
+    request = getattr(conn.inner, "_current_request", None)
+    waiting = [conn.filling] + ([request.content] if request is not None else [])
     waiting += [payload for _, payload in list(queue)[:-1]]
+    conn.filling = None
     for payload in waiting:
         if isinstance(payload, StreamReader) and not payload.is_eof() and payload.exception() is None:
             # (The reason only: aiohttp's message goes on to quote the bytes it choked on.)
             reason = str(error.message).partition(":\n")[0]
             payload.set_exception(RequestPayloadError(f"broken chunked encoding: {reason}"))
+
+
+class _Handler(RequestHandler):
+    """aiohttp's protocol, answering a request its parser refused (a head or chunked framing it cannot
+    read, met before any route runs) in the caller's format. aiohttp's own answer is plain text that
+    quotes the bytes it choked on, and it logs a traceback holding them: a body's worth, tens of KB of
+    a client's message in the log. Other errors are aiohttp's to answer."""
+
+    conn: Guarded | None = None
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        conn = self.conn
+        if (conn is None or not isinstance(exc, HttpProcessingError) or not 400 <= status < 500
+                or request.writer.output_size > 0):
+            return super().handle_error(request, status, exc, message)
+        reason = str(message or exc.message).partition(":\n")[0][:200]
+        # (At info, as any 4xx: scanners sending TLS to a plain port make these all day.)
+        log.info("http.unreadable_request", status=status, reason=reason, path=conn.path[:200])
+        dialect = dialect_for_path(conn.path, {"anthropic-version": ""} if conn.anthropic else {})
+        body = dialect.error_body(status, "invalid_request_error", f"the request could not be read: {reason}")
+        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+def _connection(factory: Any, limits: ServerSettings, open_count: list[int]) -> Guarded:
+    try:
+        # What aiohttp's Server() does, with the subclass (its own attributes: a version without them
+        # gets aiohttp's plain-text answers).
+        inner = _Handler(factory, loop=factory._loop, **factory._kwargs)
+    except (AttributeError, TypeError):
+        return Guarded(factory(), limits, open_count)
+    conn = Guarded(inner, limits, open_count)
+    inner.conn = conn
+    return conn
 
 
 MAX_REQUEST_LINE = 32 << 10
@@ -218,7 +273,7 @@ async def start(app: web.Application, limits: ServerSettings, host: str, port: i
     open_count = [0]
     loop = asyncio.get_running_loop()
     try:
-        server = await loop.create_server(lambda: Guarded(factory(), limits, open_count), host, port,
+        server = await loop.create_server(lambda: _connection(factory, limits, open_count), host, port,
                                           reuse_address=True, backlog=min(limits.max_connections, socket.SOMAXCONN))
     except BaseException:
         await runner.cleanup()  # the app started (fold workers included): stop it, or the process hangs
