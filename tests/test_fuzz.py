@@ -181,6 +181,27 @@ def test_model_routes_never_fail_on_any_body(served: Served, route: str, body: A
         assert served.history(conv) == before
 
 
+raw_bodies = st.one_of(st.binary(max_size=48), st.sampled_from([
+    b'{"model": "m", "messages": [', b'{"model": "m"}\xff', b'\xef\xbb\xbf{"model": "m"}', b"[1, 2]", b"1e400",
+    b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', b"", b"null", b'"x"',
+    b'{"model": 1e400, "messages": []}', b'{"a": 1, "a": 2}']))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/v1/chat/completions", "/v1/responses", "/v1/messages"]), raw=raw_bodies,
+       conv=st.sampled_from([*CONVERSATIONS, None]), cred=credentials)
+def test_model_routes_never_fail_on_bytes_that_are_not_json(served: Served, route: str, raw: bytes,
+                                                            conv: str | None, cred: dict[str, str]) -> None:
+    """Any bytes as a model route's body (truncated JSON, not UTF-8, a BOM, a lone surrogate, 1e400,
+    no body): relayed or a 4xx in the caller's dialect; a rejection stores nothing."""
+    before = served.history(conv) if conv is not None else None
+    headers = {**JSON, **cred, **({"X-Conversation-Id": conv} if conv else {})}
+    status, answer = served.request("POST", route, raw, headers)
+    _check(status, answer, route.startswith("/v1/messages"))
+    if before is not None and status >= 400:
+        assert served.history(conv) == before
+
+
 @FUZZ
 @given(conv=st.one_of(conv_ids, st.text(max_size=10)), query=st.dictionaries(
     st.sampled_from(["offset", "limit", "q", "x"]),
@@ -217,7 +238,8 @@ def test_conversation_api_never_fails_on_any_input(served: Served, conv: str, qu
        anthropic=st.booleans(), cred=credentials)
 def test_any_path_and_method_never_fails(served: Served, method: str, path: str, anthropic: bool,
                                          cred: dict[str, str]) -> None:
-    """Any method on any path (health, metrics, models, odd and climbing paths): never a gateway 5xx."""
+    """Any method on any path (health, metrics, models, odd and climbing paths): never a gateway 5xx,
+    and a 4xx the gateway answers is in the caller's dialect."""
     status, raw = served.request(method, path, b"" if method in ("POST", "PUT", "PATCH") else None,
                                  {**cred, **(ANTHROPIC_HEADERS if anthropic else {})})
-    assert status < 500, (status, raw[:300])
+    _check(status, raw, anthropic)
