@@ -40,14 +40,17 @@ class KnownViews:
 
     # A view holds the messages after its summary: normally a window and a fold batch, more while
     # folds fall behind (no worker running, a summarizer failing). It is kept then too: a request
-    # that loads instead reads and parses that whole backlog, the cost growing with it. The
-    # messages share their `raw` with the resend cache (caches.hashes), so a view costs ~100 bytes
-    # a message; past this many it is dropped and its requests load.
-    MAX_TAIL = 4096
+    # that loads instead reads and parses that whole backlog, the cost growing with it (a per-view
+    # cap of 4,096 made a request at 6,000 unfolded messages cost 30 ms instead of 8). The messages
+    # share their `raw` with the resend cache (caches.hashes), so a view costs ~100 bytes a message;
+    # past this many messages in all views, the least recently used views are dropped.
+    MAX_MESSAGES = 200_000
 
-    def __init__(self, limit: int = 256, *, live: bool = False) -> None:
+    def __init__(self, limit: int = 256, *, live: bool = False, max_messages: int = MAX_MESSAGES) -> None:
         self._views: OrderedDict[tuple[str, str], tuple[ConversationView, str | None]] = OrderedDict()
         self.limit = limit
+        self.max_messages = max_messages
+        self.messages = 0  # tail messages held by all views
         # Known views are used only while the store's change channel is connected (always, for the
         # embedded store, which has no other writer): otherwise every request loads.
         self.live = live
@@ -64,16 +67,22 @@ class KnownViews:
     def put(self, ref: ConvRef, view: ConversationView) -> None:
         """Remember `view` unless a longer one is known (a newer record of this process's own)."""
         key = (ref.tenant, ref.conversation)
-        if len(view.tail) > self.MAX_TAIL:
-            self._views.pop(key, None)
+        if len(view.tail) > self.max_messages:
+            self._pop(key)
             return
         known = self._views.get(key)
         if known is not None and known[0].length > view.length:
             return
+        self.messages += len(view.tail) - (len(known[0].tail) if known is not None else 0)
         self._views[key] = (view, ref.project)
         self._views.move_to_end(key)
-        while len(self._views) > self.limit:
-            self._views.popitem(last=False)
+        while len(self._views) > self.limit or self.messages > self.max_messages:
+            self._pop(next(iter(self._views)))
+
+    def _pop(self, key: tuple[str, str]) -> None:
+        gone = self._views.pop(key, None)
+        if gone is not None:
+            self.messages -= len(gone[0].tail)
 
     def update(self, ref: ConvRef, change: Callable[[ConversationView], ConversationView | None]) -> None:
         """Replace the known view of `ref` by `change(view)`; forget it when that is None."""
@@ -87,14 +96,14 @@ class KnownViews:
 
     def drop(self, ref: ConvRef) -> None:
         """Forget the conversation."""
-        self._views.pop((ref.tenant, ref.conversation), None)
+        self._pop((ref.tenant, ref.conversation))
 
     def drop_project(self, ref: ConvRef) -> None:
         """Forget the conversation and, with a project, every conversation sharing its state."""
         self.drop(ref)
         if ref.project:
             for key in [k for k, (_, p) in self._views.items() if p == ref.project and k[0] == ref.tenant]:
-                del self._views[key]
+                self._pop(key)
 
     def of_project(self, ref: ConvRef) -> list[tuple[ConvRef, ConversationView]]:
         """Every known conversation sharing `ref`'s state: itself, or its project's."""
@@ -107,12 +116,13 @@ class KnownViews:
 
     def clear(self) -> None:
         self._views.clear()
+        self.messages = 0
 
     def set_live(self, live: bool) -> None:
         """The change channel connected (True) or lost (False): either way, views known so far may
         have missed a change."""
         self.live = live
-        self._views.clear()
+        self.clear()
 
 
 def advance(view: ConversationView, turns: Sequence[Message], *, dialect: str, last_chain: str,

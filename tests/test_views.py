@@ -82,7 +82,7 @@ def test_with_summary_moves_the_tail_to_the_new_coverage() -> None:
 
 def test_known_views_are_used_only_while_live() -> None:
     """Known views count only while the change channel is followed; losing or regaining it forgets them;
-    a shorter view never replaces a longer one, and one with a tail past MAX_TAIL is not kept."""
+    a shorter view never replaces a longer one; past max_messages in all, the least recently used go."""
     ref = ConvRef("t", "c", "p")
     turns = _turns(["a", "b", "c"])
     views = KnownViews(live=True)
@@ -97,9 +97,16 @@ def test_known_views_are_used_only_while_live() -> None:
     views.drop_project(ConvRef("t", "x", "p"))  # the project's state changed: both of its conversations
     assert len(views) == 0
     views.put(ref, _view(turns))
-    views.put(ref, _view(_turns([f"m{i}" for i in range(KnownViews.MAX_TAIL + 1)])))  # folds far behind
-    assert views.get(ref) is None
-    views.put(ref, _view(turns))
+    assert views.messages == 3
+    small = KnownViews(live=True, max_messages=10)
+    backlog = _view(_turns([f"m{i}" for i in range(8)]))  # folds behind: kept, its requests need not load
+    small.put(ConvRef("t", "a"), _view(turns))
+    small.put(ConvRef("t", "b"), backlog)
+    assert small.get(ConvRef("t", "b")) is backlog and small.get(ConvRef("t", "a")) is None and small.messages == 8
+    small.put(ConvRef("t", "c"), _view(_turns([f"m{i}" for i in range(11)])))  # past the bound alone
+    assert small.get(ConvRef("t", "c")) is None and small.messages == 8
+    small.drop(ConvRef("t", "b"))
+    assert small.messages == 0
     views.set_live(False)
     assert views.get(ref) is None
     views.set_live(True)
