@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote_plus
@@ -68,21 +69,32 @@ class Authenticator:
     def __init__(self, settings: Settings) -> None:
         self._tenants = {_digest(k.key): k.tenant for k in settings.auth.keys}
         self.required = bool(self._tenants) or settings.requires_client_keys()
-        self._admin = _digest(settings.auth.admin_token) if settings.auth.admin_token else None
-        self._admin_token = settings.auth.admin_token or ""
+        token = settings.auth.admin_token
+        self._admin = _digest(token) if token else None
+        self._admin_len = len(token) if token else 0
+        # Where the token may stand in a header, path or query: between characters it does not hold
+        # itself (so it is one piece wherever it stands alone), looked up by digest, never searched
+        # for as a substring (the time a search takes tells how much of the secret a guess matches).
+        seps = "".join(c for c in " \t,;=&/?:\"'()<>[]{}@+" if not token or c not in token)
+        self._pieces = re.compile(f"[^{re.escape(seps)}]+") if seps else None
         # A client sends the same credential on every request: hash it once, not per request.
         self._derived: dict[str, str] = {}
 
     def _carries_admin(self, credential: str | None, headers: Mapping[str, str], target: str) -> bool:
         """Whether the admin token is anywhere a proxied request takes upstream: the credential the
-        gateway reads, any other header (a second key header, `api-key`, a custom one), the path or
-        the query string. Only values at least as long as the token are searched."""
-        if credential and hmac.compare_digest(_digest(credential), self._admin or b""):
+        gateway reads, any other header's value or name (a second key header, `api-key`, a custom
+        one), the path or the query string (also percent-decoded)."""
+        admin, n = self._admin, self._admin_len
+        assert admin is not None
+        if credential and hmac.compare_digest(_digest(credential), admin):
             return True
-        token, n = self._admin_token, len(self._admin_token)
-        if any(len(value) >= n and token in value for value in headers.values()):
-            return True
-        return len(target) >= n and (token in target or token in unquote_plus(target))
+        texts = [text for item in headers.items() for text in item if len(text) >= n]
+        if len(target) >= n:
+            texts += (target, unquote_plus(target))
+        if self._pieces is None:
+            return any(hmac.compare_digest(_digest(text), admin) for text in texts)
+        return any(len(piece) == n and hmac.compare_digest(_digest(piece), admin)
+                   for text in texts for piece in self._pieces.findall(text))
 
     def _tenant_of(self, credential: str | None) -> str:
         if credential is None:
