@@ -76,6 +76,9 @@ class Guarded(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.filling = None
+        if isinstance(self.inner, _Handler):
+            self.inner.conn = None  # (the two refer to each other: freed now, not by the cyclic GC)
         if self.counted:
             self.open[0] -= 1
             self.counted = False
@@ -108,6 +111,7 @@ class Guarded(asyncio.Protocol):
         if queue is not None and len(queue) > queued:
             for message, payload in list(queue)[queued:]:
                 if not isinstance(message, _ErrInfo):
+                    # (Kept until the next request or the connection's end; checked for eof before use.)
                     self.filling = payload
             _report_broken_framing(self, queue)
 
@@ -207,7 +211,7 @@ def _report_broken_framing(conn: Guarded, queue: Any) -> None:
     for payload in waiting:
         if isinstance(payload, StreamReader) and not payload.is_eof() and payload.exception() is None:
             # (The reason only: aiohttp's message goes on to quote the bytes it choked on.)
-            reason = str(error.message).partition(":\n")[0]
+            reason = _reason(str(error.message))
             payload.set_exception(RequestPayloadError(f"broken chunked encoding: {reason}"))
 
 
@@ -225,7 +229,7 @@ class _Handler(RequestHandler):
         if (conn is None or not isinstance(exc, HttpProcessingError) or not 400 <= status < 500
                 or request.writer.output_size > 0):
             return super().handle_error(request, status, exc, message)
-        reason = str(message or exc.message).partition(":\n")[0][:200]
+        reason = _reason(str(message or exc.message))
         # (At info, as any 4xx: scanners sending TLS to a plain port make these all day.)
         log.info("http.unreadable_request", status=status, reason=reason, path=conn.path[:200])
         dialect = dialect_for_path(conn.path, {"anthropic-version": ""} if conn.anthropic else {})
@@ -235,12 +239,30 @@ class _Handler(RequestHandler):
         return resp
 
 
+def _reason(text: str) -> str:
+    """What an aiohttp parser error says, without the client's bytes it goes on to quote ("Invalid
+    character in chunk size:\n\n  b'zz'", "Got more than 8190 bytes when reading: b'SSS…'")."""
+    first = text.split("\n", 1)[0]
+    quoted = [i for i in (first.find("'"), first.find('"')) if i >= 0]
+    if quoted:
+        first = first[:min(quoted)].removesuffix("b")
+    return first.rstrip(" :")[:200]
+
+
+_plain_handlers = False  # logged once: this aiohttp's Server could not be copied (see _connection)
+
+
 def _connection(factory: Any, limits: ServerSettings, open_count: list[int]) -> Guarded:
+    global _plain_handlers
     try:
         # What aiohttp's Server() does, with the subclass (its own attributes: a version without them
         # gets aiohttp's plain-text answers).
         inner = _Handler(factory, loop=factory._loop, **factory._kwargs)
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError) as exc:
+        if not _plain_handlers:
+            _plain_handlers = True
+            log.warning("http.plain_error_answers", error=type(exc).__name__,
+                        detail="requests aiohttp cannot parse get its plain-text 400")
         return Guarded(factory(), limits, open_count)
     conn = Guarded(inner, limits, open_count)
     inner.conn = conn

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from structlog.testing import capture_logs
 
 from gateway import listener
 from gateway.app import create_app
@@ -135,8 +136,9 @@ async def test_a_chunked_body_that_breaks_after_its_head_is_a_prompt_400(path: s
 async def test_a_broken_chunked_body_written_at_once_is_a_400_in_the_callers_format(
         path: str, anthropic: bool, caplog: pytest.LogCaptureFixture) -> None:
     """Broken chunked framing in the same write as the head (aiohttp's parser refuses it before any
-    route runs), and a 150 KB body broken at its end in one write (read in several pieces, the handler
-    not started when the break is met): a prompt 400 in the route's format either way. aiohttp's own
+    route runs), a 150 KB body broken at its end in one write (read in several pieces, the handler
+    not started when the break is met), and a header line over aiohttp's limit: a prompt 400 in the
+    route's format each time, and neither the answer nor the log quotes the client's bytes. aiohttp's own
     answer was plain text quoting the client's bytes, with a traceback holding them in the log, and
     the large body waited out body_timeout for a 408."""
     secret = "sk-live-secret-in-the-body"
@@ -144,20 +146,24 @@ async def test_a_broken_chunked_body_written_at_once_is_a_400_in_the_callers_for
     head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
     small = b"%x\r\n%s\r\nzz\r\n" % (len(secret), secret.encode())
+    long_header = head.replace(b"\r\n\r\n", f"\r\nX-Long: {secret}{'S' * 9000}\r\n\r\n".encode())
     caplog.set_level("DEBUG")
-    async with limited(body_timeout_seconds=30) as (host, port):
-        for body in (small, b"%x\r\n%s\r\nzz-not-a-size\r\n\r\n" % (len(big), big)):
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(head + body)
-            await writer.drain()
-            data = await asyncio.wait_for(reader.read(), timeout=10)  # (a hang guard: body_timeout is 30 s)
-            writer.close()
-            top, _, answer = data.partition(b"\r\n\r\n")
-            assert top.split()[1] == b"400", data[:300]
-            err = orjson.loads(answer)
-            assert (err["type"] == "error") if anthropic else ("message" in err["error"])
-            assert "chunk" in err["error"]["message"] and secret not in err["error"]["message"]
+    with capture_logs() as events:
+        async with limited(body_timeout_seconds=30) as (host, port):
+            for sent in (head + small, head + b"%x\r\n%s\r\nzz-not-a-size\r\n\r\n" % (len(big), big),
+                         long_header + small):
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(sent)
+                await writer.drain()
+                data = await asyncio.wait_for(reader.read(), timeout=10)  # (a hang guard: body_timeout is 30 s)
+                writer.close()
+                top, _, answer = data.partition(b"\r\n\r\n")
+                assert top.split()[1] == b"400", data[:300]
+                err = orjson.loads(answer)
+                assert (err["type"] == "error") if anthropic else ("message" in err["error"])
+                assert "could not be read" in err["error"]["message"] and secret not in err["error"]["message"]
     assert not [r for r in caplog.records if secret in r.getMessage() or (r.exc_info and secret in str(r.exc_info[1]))]
+    assert events and not [e for e in events if secret in str(e)]
 
 
 async def test_a_long_request_line_reaches_the_routes() -> None:
