@@ -292,11 +292,12 @@ class Store:
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def ping(self) -> bool:
+    async def ping(self, wait: float = 0.2) -> bool:
         """Whether the store answers; raises StoreBusy when it is there but every connection of the
-        pool stayed in use."""
+        pool stayed in use for `wait` seconds (a readiness probe gives up after a second or so: not
+        store.pool_wait_seconds)."""
         try:
-            with _guard:
+            with _guard, patient(wait):
                 pong = await self.redis.ping()
         except StoreBusy:
             raise

@@ -226,7 +226,9 @@ class FoldWorker:
                 log.info("fold.reclaimed", job=claimed[0], worker=self.name)
                 return self._delivered(claimed)
             self._reclaim_after = now + _POLL_SECONDS
-        # 3. new jobs. fakeredis returns at once even with a block: never rely on the wait.
+        # 3. new jobs. fakeredis returns at once even with a block: never rely on the wait. (Cleared
+        # first: a fold this process queues while the read is on its way wakes the wait below.)
+        self.store.fold_queued.clear()
         started = time.monotonic()
         new = await self.jobs.next(self.name, _BLOCK_MS if block and self.block else None)
         if new is not None:
@@ -242,9 +244,8 @@ class FoldWorker:
         return delivery
 
     async def _wait_for_job(self, seconds: float) -> None:
-        """Sleep until this process queues a fold, `stop()`, or `seconds` pass."""
+        """Sleep until this process queues a fold (since the last read), `stop()`, or `seconds` pass."""
         signal = self.store.fold_queued
-        signal.clear()
         waits = [asyncio.ensure_future(signal.wait()), asyncio.ensure_future(self._stopping.wait())]
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)

@@ -284,6 +284,19 @@ async def test_idle_fold_workers_leave_the_pool_to_requests_and_busy_is_said_as_
             assert r.status == 200 and await r.json() == {"status": "ok"}
 
 
+async def test_readiness_does_not_wait_out_pool_wait_seconds(redis_url: str) -> None:
+    """With every connection held and `pool_wait_seconds: 30`, /readyz still answers (busy) well
+    within a probe's timeout: it waited the whole 30 s, and a probe gives up after a second or so."""
+    async with gateway({"url": redis_url, "pool_size": 1, "pool_wait_seconds": 30}) as (app, url, http):
+        pool = app[STORE].redis.connection_pool
+        held = await pool.get_connection()
+        try:
+            async with http.get(url + "/readyz", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                assert r.status == 200 and await r.json() == {"status": "ok", "store": "busy"}
+        finally:
+            await pool.release(held)
+
+
 async def test_the_pool_limit_holds_after_the_store_was_down(tmp_path: Path) -> None:
     """Connects that failed while Redis was down give back only the slots they took: afterwards, with
     pool_size connections in use, the next call waits for one to be released and then succeeds
