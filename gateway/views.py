@@ -42,9 +42,10 @@ class KnownViews:
     # folds fall behind (no worker running, a summarizer failing). It is kept then too: a request
     # that loads instead reads and parses that whole backlog, the cost growing with it (a per-view
     # cap of 4,096 made a request at 6,000 unfolded messages cost 30 ms instead of 8). The messages
-    # share their `raw` with the resend cache (caches.hashes), so a view costs ~100 bytes a message;
-    # past this many messages in all views, the least recently used views are dropped.
-    MAX_MESSAGES = 200_000
+    # share their `raw` and text with the resend cache (caches.hashes), so a view costs ~400 bytes a
+    # message (the object, its hash, chain and time strings: ~40 MB at the bound); past this many
+    # messages in all views, the least recently used views are dropped.
+    MAX_MESSAGES = 100_000
 
     def __init__(self, limit: int = 256, *, live: bool = False, max_messages: int = MAX_MESSAGES) -> None:
         self._views: OrderedDict[tuple[str, str], tuple[ConversationView, str | None]] = OrderedDict()
