@@ -540,8 +540,9 @@ class WorkerPool:
         """Stop taking jobs, let running folds finish for up to `grace` seconds, then cancel them.
 
         Idle workers are cancelled at once: they only wait for a job (a blocking read of up to a
-        second on Redis, or a sleep). Jobs still pending on them (a fold cut short, one just handed to an idle worker)
-        are handed back: other workers reclaim them at once, not after claim_idle_ms.
+        second on Redis, or a sleep). Jobs still pending on them (a fold cut short, one just handed
+        to an idle worker) are handed back: other workers reclaim them at once, not after
+        claim_idle_ms.
         """
         for w in self.workers:
             await w.stop()
