@@ -195,9 +195,12 @@ def history(view: ConversationView, decision: Decision, client: Sequence[dict], 
     else:
         stored = view.tail[: base - view.tail_start]
         if decision.action != "delta":
-            # A full-history client's message i is stored position i: forward its own bytes.
-            tail = [Message(raw=client[view.tail_start + i], role=t.role, text=t.text,
-                         tokens=t.tokens, hash=t.hash, chain=t.chain, time=t.time)
+            # A full-history client's message i is stored position i: forward its own bytes. For most
+            # of them the resend parser handed back the very dict the stored message holds: that one
+            # is used as it is (a copy of each cost ~0.6 us a message, every request, while folds lag).
+            at = view.tail_start
+            tail = [t if client[at + i] is t.raw else Message(raw=client[at + i], role=t.role, text=t.text,
+                                                              tokens=t.tokens, hash=t.hash, chain=t.chain, time=t.time)
                     for i, t in enumerate(stored)]
         else:
             tail = list(stored)
