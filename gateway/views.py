@@ -41,7 +41,7 @@ class KnownViews:
     # A view holds the messages after its summary: normally a window and a fold batch, more while
     # folds fall behind (no worker running, a summarizer failing). It is kept then too: a request
     # that loads instead reads and parses that whole backlog, the cost growing with it (a per-view
-    # cap of 4,096 made a request at 6,000 unfolded messages cost 30 ms instead of 7). The messages
+    # cap made every request of a conversation past it several times slower). The messages
     # share their `raw` and text with the resend cache (caches.hashes), so a view costs ~400 bytes a
     # message (the object, its hash, chain and time strings: ~40 MB at the bound); past this many
     # messages in all views, the least recently used views are dropped.
