@@ -208,11 +208,11 @@ def _report_broken_framing(conn: Guarded, queue: Any) -> None:
     waiting = [conn.filling] + ([request.content] if request is not None else [])
     waiting += [payload for _, payload in list(queue)[:-1]]
     conn.filling = None
+    # (The reason only: aiohttp's message goes on to quote the bytes it choked on.)
+    broken = f"broken chunked encoding: {_reason(str(error.message))}"
     for payload in waiting:
         if isinstance(payload, StreamReader) and not payload.is_eof() and payload.exception() is None:
-            # (The reason only: aiohttp's message goes on to quote the bytes it choked on.)
-            reason = _reason(str(error.message))
-            payload.set_exception(RequestPayloadError(f"broken chunked encoding: {reason}"))
+            payload.set_exception(RequestPayloadError(broken))
 
 
 class _Handler(RequestHandler):
